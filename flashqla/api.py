@@ -1,0 +1,220 @@
+"""The public op: `chunk_gated_delta_rule`, its input checks and its backends.
+
+The signature and semantics follow FLA's and FlashQLA's function of the same name, so either can
+be swapped for this one. Backends:
+
+- "torch": the chunked reference (`flashqla.reference`), any device and dtype, autograd.
+- "tilelang": the Hopper (SM90) TileLang kernels in `flashqla.hopper`, K = V = 128.
+- "fla": fla-core's kernels, the baseline (`flashqla.fla_baseline`).
+- "auto": "tilelang" for CUDA tensors on an SM90 device with K = V = 128, else "torch".
+  The environment variable FLASHQLA_BACKEND, when set, replaces "auto" with its value.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+from numbers import Real
+
+import torch
+
+from flashqla import reference
+
+BACKENDS = ("auto", "tilelang", "torch", "fla")
+BACKEND_ENV_VAR = "FLASHQLA_BACKEND"
+HOPPER_HEAD_DIM = 128
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Chunked gated delta rule.
+
+    S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,   o_t = scale * S_t^T q_t,
+    per sequence and value head, with the state restarting at each sequence of `cu_seqlens`.
+
+    Args:
+        q, k: `[B, T, Hqk, K]`. v: `[B, T, Hv, V]` with `Hv % Hqk == 0`; value head h reads
+            qk head `h // (Hv // Hqk)`.
+        g: `[B, T, Hv]` log-space decay (<= 0). beta: `[B, T, Hv]`, in (0, 1).
+        scale: multiplies the output; default `K ** -0.5`.
+        initial_state: `[N, Hv, K, V]` (N = B, or the number of sequences with `cu_seqlens`).
+        output_final_state: also return the state after each sequence, `[N, Hv, K, V]` float32
+            (float64 for float64 inputs).
+        use_qk_l2norm_in_kernel: L2-normalise q and k over their last dim first.
+        cu_seqlens: `[N + 1]` integer offsets of packed sequences (0 first, T last, non-decreasing;
+            empty sequences allowed); needs B = 1.
+        backend: "auto" | "tilelang" | "torch" | "fla".
+
+    Returns:
+        `(o, final_state)`: o shaped and typed like v; final_state or None.
+    """
+    check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)
+    backend = resolve_backend(backend, q, v)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+
+    if backend == "torch":
+        return reference.chunk_gated_delta_rule_torch(
+            q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens
+        )
+    if backend == "fla":
+        from flashqla.fla_baseline import chunk_gated_delta_rule_fla
+
+        return chunk_gated_delta_rule_fla(
+            q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens
+        )
+    if use_qk_l2norm_in_kernel:
+        q, k = reference.l2_normalize(q), reference.l2_normalize(k)
+    return HopperGatedDeltaRule.apply(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+
+
+class HopperGatedDeltaRule(torch.autograd.Function):
+    """Autograd for the TileLang kernels. Saves only the inputs: the backward recomputes the
+    chunk states rather than keeping them alive between forward and backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
+        from flashqla import hopper
+
+        o, final_state = hopper.forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+        ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
+        ctx.scale = scale
+        return o, final_state
+
+    @staticmethod
+    def backward(ctx, d_o, d_final_state):
+        from flashqla.hopper.backward import backward
+
+        q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
+        dq, dk, dv, dg, dbeta, dh0 = backward(
+            q, k, v, g, beta, ctx.scale, initial_state, cu_seqlens, d_o, d_final_state
+        )
+        dh0 = dh0 if initial_state is not None else None
+        return dq, dk, dv, dg, dbeta, None, dh0, None, None
+
+
+def resolve_backend(backend: str, q: torch.Tensor, v: torch.Tensor) -> str:
+    """The concrete backend for these inputs; errors where an explicit choice cannot run."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        backend = os.environ.get(BACKEND_ENV_VAR, "auto")
+        if backend not in BACKENDS:
+            raise ValueError(f"environment variable {BACKEND_ENV_VAR} must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        if not _hopper_available(q.device):
+            return "torch"
+        if q.shape[-1] != HOPPER_HEAD_DIM or v.shape[-1] != HOPPER_HEAD_DIM:
+            _warn_head_dim_fallback(q.shape[-1], v.shape[-1])
+            return "torch"
+        return "tilelang"
+    if backend == "tilelang":
+        if not _hopper_available(q.device):
+            raise ValueError(
+                f"backend='tilelang' needs CUDA tensors on an SM90 (Hopper) GPU with tilelang installed; "
+                f"got tensors on {q.device}"
+            )
+        if q.shape[-1] != HOPPER_HEAD_DIM or v.shape[-1] != HOPPER_HEAD_DIM:
+            raise ValueError(
+                f"backend='tilelang' supports K = V = {HOPPER_HEAD_DIM}, got K={q.shape[-1]}, V={v.shape[-1]}; "
+                f"use backend='torch' or 'auto' for other head dims"
+            )
+    return backend
+
+
+@functools.cache
+def _warn_head_dim_fallback(head_k: int, head_v: int) -> None:
+    warnings.warn(
+        f"flashqla: the TileLang kernels support K = V = {HOPPER_HEAD_DIM}, got K={head_k}, V={head_v}; "
+        f"backend='auto' falls back to the torch path (much slower)",
+        stacklevel=4,
+    )
+
+
+def _hopper_available(device: torch.device) -> bool:
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+        return False
+    try:
+        import tilelang  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens) -> None:
+    """Raise TypeError/ValueError naming the argument for anything outside the contract."""
+    for name, x, rank in (("q", q, 4), ("k", k, 4), ("v", v, 4), ("g", g, 3), ("beta", beta, 3)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if not x.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
+        if x.dim() != rank:
+            expected = "[B, T, H, D]" if rank == 4 else "[B, T, Hv]"
+            raise ValueError(f"{name} must have rank {rank} {expected}, got shape {tuple(x.shape)}")
+    if k.shape != q.shape:
+        raise ValueError(f"k must have q's shape {tuple(q.shape)} [B, T, Hqk, K], got {tuple(k.shape)}")
+    if v.shape[:2] != q.shape[:2]:
+        raise ValueError(f"v must be [B, T, Hv, V] with q's B, T = {tuple(q.shape[:2])}, got shape {tuple(v.shape)}")
+    B, T, num_qk_heads, _ = q.shape
+    num_v_heads = v.shape[2]
+    if num_qk_heads == 0 or num_v_heads % num_qk_heads != 0:
+        raise ValueError(
+            f"v's head count Hv={num_v_heads} must be a positive multiple of q/k's head count Hqk={num_qk_heads}"
+        )
+    for name, x in (("g", g), ("beta", beta)):
+        if x.shape != v.shape[:3]:
+            raise ValueError(f"{name} must be [B, T, Hv] = {tuple(v.shape[:3])}, got shape {tuple(x.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    for name, x in (("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if x.device != q.device:
+            raise ValueError(f"{name} is on {x.device} but q is on {q.device}; all inputs must share a device")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, Real) or not scale > 0):
+        raise ValueError(f"scale must be a positive number or None, got {scale!r}")
+
+    num_sequences = B
+    if cu_seqlens is not None:
+        num_sequences = _check_cu_seqlens(cu_seqlens, B, T, q.device)
+    if initial_state is not None:
+        if not isinstance(initial_state, torch.Tensor) or not initial_state.is_floating_point():
+            raise TypeError(f"initial_state must be a floating-point tensor, got {initial_state!r:.80}")
+        expected = (num_sequences, num_v_heads, q.shape[3], v.shape[3])
+        if tuple(initial_state.shape) != expected:
+            raise ValueError(
+                f"initial_state must be [N, Hv, K, V] = {expected} (N = "
+                f"{'len(cu_seqlens) - 1' if cu_seqlens is not None else 'B'}), got shape {tuple(initial_state.shape)}"
+            )
+        if initial_state.device != q.device:
+            raise ValueError(f"initial_state is on {initial_state.device} but q is on {q.device}")
+
+
+def _check_cu_seqlens(cu_seqlens, batch: int, seq_len: int, device: torch.device) -> int:
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens must be an integer torch.Tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"cu_seqlens must have dtype int32 or int64, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must be 1-D [N + 1] with N >= 1, got shape {tuple(cu_seqlens.shape)}")
+    if batch != 1:
+        raise ValueError(f"cu_seqlens needs packed inputs with B = 1, got B = {batch}")
+    if cu_seqlens.device != device:
+        raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but q is on {device}")
+    bounds = cu_seqlens.tolist()
+    if bounds[0] != 0 or bounds[-1] != seq_len:
+        raise ValueError(
+            f"cu_seqlens must start at 0 and end at T = {seq_len}, got first {bounds[0]} and last {bounds[-1]}"
+        )
+    if any(b < a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"cu_seqlens must be non-decreasing, got {bounds if len(bounds) <= 16 else bounds[:16] + ['...']}")
+    return len(bounds) - 1

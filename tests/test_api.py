@@ -1,0 +1,85 @@
+"""The public op's contract: backend choice, and a clear error for every bad input."""
+import pytest
+import torch
+
+from flashqla import chunk_gated_delta_rule
+from flashqla.api import resolve_backend
+from flashqla.testing import random_inputs
+
+
+def small(**overrides):
+    inputs = random_inputs(seq_lens=[10, 6], num_qk_heads=2, num_v_heads=4, head_k=8, head_v=8,
+                           dtype=torch.float32)
+    inputs.update(overrides)
+    return inputs
+
+
+def test_auto_runs_torch_on_cpu_and_matches_explicit_torch():
+    inputs = small()
+    o_auto, s_auto = chunk_gated_delta_rule(**inputs, output_final_state=True)
+    o_torch, s_torch = chunk_gated_delta_rule(**inputs, output_final_state=True, backend="torch")
+    assert torch.equal(o_auto, o_torch) and torch.equal(s_auto, s_torch)
+    assert resolve_backend("auto", inputs["q"], inputs["v"]) == "torch"
+
+
+def test_env_var_overrides_auto(monkeypatch):
+    q = torch.zeros(1, 1, 1, 8)
+    monkeypatch.setenv("FLASHQLA_BACKEND", "fla")
+    assert resolve_backend("auto", q, q) == "fla"
+    assert resolve_backend("torch", q, q) == "torch"  # an explicit choice wins
+    monkeypatch.setenv("FLASHQLA_BACKEND", "cuda")
+    with pytest.raises(ValueError, match="FLASHQLA_BACKEND.*'cuda'"):
+        resolve_backend("auto", q, q)
+
+
+def test_final_state_only_when_asked():
+    o, s = chunk_gated_delta_rule(**small())
+    assert s is None and o.shape == (1, 16, 4, 8)
+
+
+def test_explicit_gpu_backends_refuse_cpu_tensors():
+    with pytest.raises(ValueError, match="backend='tilelang'.*cpu"):
+        chunk_gated_delta_rule(**small(), backend="tilelang")
+    with pytest.raises(ValueError, match="backend='fla'.*cpu"):
+        chunk_gated_delta_rule(**small(), backend="fla")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        chunk_gated_delta_rule(**small(), backend="triton")
+
+
+def _bad_cases():
+    base = small()
+    q, v = base["q"], base["v"]
+    return {
+        "q rank": (dict(q=q[0]), ValueError, r"q must have rank 4.*\(16, 2, 8\)"),
+        "q not a tensor": (dict(q=q.tolist()), TypeError, "q must be a torch.Tensor, got list"),
+        "integer v": (dict(v=v.long()), TypeError, "v must be a floating-point tensor, got dtype torch.int64"),
+        "k shape": (dict(k=base["k"][:, :, :1]), ValueError, r"k must have q's shape \(1, 16, 2, 8\)"),
+        "v length": (dict(v=v[:, :15]), ValueError, r"v must be \[B, T, Hv, V\] with q's B, T = \(1, 16\)"),
+        "heads not a multiple": (dict(v=v[:, :, :3], g=base["g"][:, :, :3], beta=base["beta"][:, :, :3]),
+                                 ValueError, "Hv=3 must be a positive multiple of .* Hqk=2"),
+        "g shape": (dict(g=base["g"][:, :, :2]), ValueError, r"g must be \[B, T, Hv\] = \(1, 16, 4\), got shape \(1, 16, 2\)"),
+        "beta rank": (dict(beta=base["beta"][..., None]), ValueError, "beta must have rank 3"),
+        "mixed dtypes": (dict(v=v.double()), TypeError, "q, k and v must share one dtype.*float64"),
+        "meta device": (dict(k=base["k"].to("meta")), ValueError, "k is on meta but q is on cpu"),
+        "bad scale": (dict(scale=-1.0), ValueError, "scale must be a positive number or None, got -1.0"),
+        "float cu_seqlens": (dict(cu_seqlens=torch.tensor([0.0, 10.0, 16.0])), TypeError,
+                             "cu_seqlens must have dtype int32 or int64, got torch.float32"),
+        "cu_seqlens not from 0": (dict(cu_seqlens=torch.tensor([1, 10, 16])), ValueError, "start at 0 and end at T = 16, got first 1"),
+        "cu_seqlens short of T": (dict(cu_seqlens=torch.tensor([0, 10, 15])), ValueError, "end at T = 16, got first 0 and last 15"),
+        "cu_seqlens decreasing": (dict(cu_seqlens=torch.tensor([0, 12, 10, 16]), initial_state=None), ValueError,
+                                  r"non-decreasing, got \[0, 12, 10, 16\]"),
+        "cu_seqlens rank": (dict(cu_seqlens=torch.tensor([[0, 16]])), ValueError, "cu_seqlens must be 1-D"),
+        "cu_seqlens with B > 1": (dict(q=q.expand(2, -1, -1, -1), k=base["k"].expand(2, -1, -1, -1), v=v.expand(2, -1, -1, -1),
+                                       g=base["g"].expand(2, -1, -1), beta=base["beta"].expand(2, -1, -1)),
+                                  ValueError, "cu_seqlens needs packed inputs with B = 1, got B = 2"),
+        "initial_state N": (dict(initial_state=base["initial_state"][:1]), ValueError,
+                            r"initial_state must be \[N, Hv, K, V\] = \(2, 4, 8, 8\).*got shape \(1, 4, 8, 8\)"),
+        "initial_state dtype": (dict(initial_state=base["initial_state"].long()), TypeError, "initial_state must be a floating-point"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_bad_cases()))
+def test_bad_input_names_the_argument(case):
+    overrides, error, pattern = _bad_cases()[case]
+    with pytest.raises(error, match=pattern):
+        chunk_gated_delta_rule(**small(**overrides))
