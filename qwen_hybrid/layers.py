@@ -1,0 +1,278 @@
+"""The layers of the hybrid model as plain modules.
+
+Parameter names equal HF `Qwen3_5ForCausalLM`'s so the checkpoint adapter only handles prefixes.
+Every block keeps its head counts as attributes (`num_k_heads`, `num_v_heads`, `num_heads`,
+`num_kv_heads`) and derives all split sizes from them at forward time, so a model sharded by
+heads from outside only has to slice the weights and set those attributes.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import flashqla
+from qwen_hybrid.config import QwenHybridConfig
+
+
+class RMSNorm(nn.Module):
+    """Zero-centred RMSNorm: the weight is stored as an offset from 1 (Qwen3.5's convention)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_float = x.float()
+        normed = x_float * torch.rsqrt(x_float.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (1.0 + self.weight.float())).type_as(x)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of the GDN output per value head (weight stored as is), then times SiLU(gate)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        x_float = x.float()
+        normed = (x_float * torch.rsqrt(x_float.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        # HF rounds to the input dtype before the weight and upcasts again for the gate
+        return (self.weight * normed * F.silu(gate.float())).to(x.dtype)
+
+
+class CausalConv1d(nn.Module):
+    """Depthwise causal conv over time, restarting at each document of `cu_seqlens`.
+
+    Weight `[channels, 1, kernel]` as in HF's `nn.Conv1d(groups=channels)`. With `cu_seqlens`
+    each document gets its own kernel-1 zeros in front (one scatter, one conv, one gather), so
+    no tap reads the previous document. A fused varlen kernel (causal-conv1d's) would save the
+    two extra copies of the activations.
+    """
+
+    def __init__(self, channels: int, kernel_size: int):
+        super().__init__()
+        self.kernel_size = kernel_size
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size))
+        nn.init.kaiming_uniform_(self.weight, a=5**0.5)
+
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [B, T, C] -> [B, T, C]."""
+        batch, length, channels = x.shape
+        pad = self.kernel_size - 1
+        weight = self.weight.to(x.dtype)
+        if cu_seqlens is None:
+            out = F.conv1d(x.transpose(1, 2), weight, padding=pad, groups=channels)[..., :length]
+            return out.transpose(1, 2)
+        num_docs = cu_seqlens.numel() - 1
+        doc_of_token = torch.searchsorted(
+            cu_seqlens[1:].to(torch.long), torch.arange(length, device=x.device), right=True
+        )
+        padded_index = torch.arange(length, device=x.device) + pad * (doc_of_token + 1)
+        padded = x.new_zeros(length + pad * num_docs, channels)
+        padded = padded.index_copy(0, padded_index, x[0])
+        out = F.conv1d(padded.t().unsqueeze(0), weight, groups=channels)[0]
+        # output j covers padded inputs j .. j+pad, so token t sits at padded_index[t] - pad
+        return out.t().index_select(0, padded_index - pad).unsqueeze(0)
+
+
+class GatedDeltaRule(nn.Module):
+    """Parameter-free wrapper of `flashqla.chunk_gated_delta_rule` (a hook point for timing)."""
+
+    def __init__(self, backend: str = "auto"):
+        super().__init__()
+        self.backend = backend
+
+    def forward(self, q, k, v, g, beta, cu_seqlens=None) -> torch.Tensor:
+        o, _ = flashqla.chunk_gated_delta_rule(
+            q, k, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, backend=self.backend
+        )
+        return o
+
+    def extra_repr(self) -> str:
+        return f"backend={self.backend!r}"
+
+
+class GatedDeltaNet(nn.Module):
+    """Qwen3.5's linear-attention block: fused qkv projection -> causal conv + SiLU -> gated delta
+    rule (q/k L2-normalised in the op) -> gated RMSNorm with z -> out projection.
+
+    `in_proj_qkv` and `conv1d` channels are laid out [q (all k heads) | k (all k heads) | v (all v heads)].
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_k_heads: int,
+        num_v_heads: int,
+        head_k_dim: int,
+        head_v_dim: int,
+        conv_kernel_size: int,
+        eps: float = 1e-6,
+        backend: str = "auto",
+    ):
+        super().__init__()
+        if num_v_heads % num_k_heads != 0:
+            raise ValueError(f"num_v_heads ({num_v_heads}) must be a multiple of num_k_heads ({num_k_heads})")
+        self.num_k_heads = num_k_heads
+        self.num_v_heads = num_v_heads
+        self.head_k_dim = head_k_dim
+        self.head_v_dim = head_v_dim
+        key_dim, value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
+        self.in_proj_qkv = nn.Linear(hidden_size, 2 * key_dim + value_dim, bias=False)
+        self.in_proj_z = nn.Linear(hidden_size, value_dim, bias=False)
+        self.in_proj_b = nn.Linear(hidden_size, num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(hidden_size, num_v_heads, bias=False)
+        self.conv1d = CausalConv1d(2 * key_dim + value_dim, conv_kernel_size)
+        self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
+        self.A_log = nn.Parameter(torch.empty(num_v_heads).uniform_(0.01, 16).log())
+        self.norm = GatedRMSNorm(head_v_dim, eps=eps)
+        self.out_proj = nn.Linear(value_dim, hidden_size, bias=False)
+        self.gated_delta_rule = GatedDeltaRule(backend)
+
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        batch, length, _ = x.shape
+        key_dim = self.num_k_heads * self.head_k_dim
+        value_dim = self.num_v_heads * self.head_v_dim
+        qkv = F.silu(self.conv1d(self.in_proj_qkv(x), cu_seqlens))
+        q, k, v = torch.split(qkv, [key_dim, key_dim, value_dim], dim=-1)
+        q = q.reshape(batch, length, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(batch, length, self.num_k_heads, self.head_k_dim)
+        v = v.reshape(batch, length, self.num_v_heads, self.head_v_dim)
+        beta = torch.sigmoid(self.in_proj_b(x))
+        # float32 so that exp(A_log) cannot overflow in half precision
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        o = self.gated_delta_rule(q, k, v, g, beta, cu_seqlens)
+        z = self.in_proj_z(x).reshape(batch, length, self.num_v_heads, self.head_v_dim)
+        o = self.norm(o, z).reshape(batch, length, value_dim)
+        return self.out_proj(o)
+
+
+class AttentionCore(nn.Module):
+    """Parameter-free causal softmax attention with GQA and per-document masking (a hook point).
+
+    q: [B, T, H, D]; k, v: [B, T, Hkv, D]; returns [B, T, H, D]. With `cu_seqlens` (B = 1) each
+    document attends only to itself: on CUDA through `varlen_attn` (FlashAttention) when torch
+    has it, otherwise one SDPA call per document.
+    """
+
+    def forward(self, q, k, v, cu_seqlens=None, max_seqlen=None) -> torch.Tensor:
+        scale = q.shape[-1] ** -0.5
+        if cu_seqlens is None:
+            return _sdpa(q, k, v, scale)
+        if q.is_cuda and _varlen_attn is not None and q.dtype in (torch.float16, torch.bfloat16):
+            if max_seqlen is None:
+                max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+            cu = cu_seqlens.to(torch.int32)
+            out = _varlen_attn(
+                q[0], k[0], v[0], cu, cu, max_seqlen, max_seqlen, scale=scale, window_size=(-1, 0),
+                enable_gqa=q.shape[2] != k.shape[2],
+            )
+            return out.unsqueeze(0)
+        bounds = cu_seqlens.tolist()
+        outs = [
+            _sdpa(q[:, start:end], k[:, start:end], v[:, start:end], scale)
+            for start, end in zip(bounds[:-1], bounds[1:])
+            if end > start
+        ]
+        return torch.cat(outs, dim=1)
+
+
+try:
+    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
+except ImportError:
+    _varlen_attn = None
+
+
+def _sdpa(q, k, v, scale) -> torch.Tensor:
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale,
+        enable_gqa=q.shape[2] != k.shape[2],
+    )
+    return out.transpose(1, 2)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first cos.shape[-1] dims of x [B, T, H, D] (rotate-half layout)."""
+    rotary_dim = cos.shape[-1]
+    x_rot, x_pass = x[..., :rotary_dim].float(), x[..., rotary_dim:]
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    half = rotary_dim // 2
+    rotated = torch.cat([-x_rot[..., half:], x_rot[..., :half]], dim=-1)
+    return torch.cat([(x_rot * cos + rotated * sin).to(x.dtype), x_pass], dim=-1)
+
+
+class GatedAttention(nn.Module):
+    """Qwen3.5's full-attention block: q projection carries a per-head output gate, zero-centred
+    RMSNorm on q and k per head, partial RoPE, grouped KV heads, causal attention, sigmoid gate."""
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, eps: float = 1e-6):
+        super().__init__()
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        # per head: [query (head_dim) | gate (head_dim)]
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim * 2, bias=False)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
+        self.q_norm = RMSNorm(head_dim, eps=eps)
+        self.k_norm = RMSNorm(head_dim, eps=eps)
+        self.attention = AttentionCore()
+
+    def forward(self, x, cos, sin, cu_seqlens=None, max_seqlen=None) -> torch.Tensor:
+        batch, length, _ = x.shape
+        query, gate = self.q_proj(x).view(batch, length, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = apply_rotary(self.q_norm(query), cos, sin)
+        k = self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)
+        k = apply_rotary(self.k_norm(k), cos, sin)
+        v = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)
+        out = self.attention(q, k, v, cu_seqlens, max_seqlen)
+        out = out.reshape(batch, length, -1) * torch.sigmoid(gate.reshape(batch, length, -1))
+        return self.o_proj(out)
+
+
+class SwiGLUMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: token mixer (GDN `linear_attn` or attention `self_attn`), then MLP."""
+
+    def __init__(self, config: QwenHybridConfig, layer_index: int):
+        super().__init__()
+        self.layer_type = config.layer_types[layer_index]
+        if self.layer_type == "linear_attention":
+            self.linear_attn = GatedDeltaNet(
+                config.hidden_size, config.linear_num_key_heads, config.linear_num_value_heads,
+                config.linear_key_head_dim, config.linear_value_head_dim, config.linear_conv_kernel_dim,
+                eps=config.rms_norm_eps, backend=config.gdn_backend,
+            )
+        else:
+            self.self_attn = GatedAttention(
+                config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
+                eps=config.rms_norm_eps,
+            )
+        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, hidden, cos, sin, cu_seqlens=None, max_seqlen=None) -> torch.Tensor:
+        mixer_input = self.input_layernorm(hidden)
+        if self.layer_type == "linear_attention":
+            hidden = hidden + self.linear_attn(mixer_input, cu_seqlens)
+        else:
+            hidden = hidden + self.self_attn(mixer_input, cos, sin, cu_seqlens, max_seqlen)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))

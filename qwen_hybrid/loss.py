@@ -1,0 +1,90 @@
+"""Next-token cross entropy over the vocabulary in token chunks.
+
+Only one chunk's float32 logits exist at a time, in the forward and in the backward (which
+recomputes them from the saved hidden states and per-token log-sum-exp), so peak memory is
+O(chunk_size x vocab) instead of O(tokens x vocab): a 100k-token sequence with Qwen3.5's 248k
+vocabulary would otherwise need ~100 GB of float32 logits.
+"""
+from __future__ import annotations
+
+import torch
+
+IGNORE_INDEX = -100
+DEFAULT_CHUNK_SIZE = 2048
+
+
+def chunked_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    ignore_index: int = IGNORE_INDEX,
+) -> torch.Tensor:
+    """Mean cross entropy of `hidden @ weight.T` against `labels`, ignoring `ignore_index`.
+
+    hidden: [T, H]; weight: [V, H] (the LM head); labels: [T] integer class per row (already
+    shifted for next-token prediction). Returns a float32 scalar; NaN-free 0 when every label is
+    ignored (its gradient is then zero).
+    """
+    if hidden.dim() != 2:
+        raise ValueError(f"hidden must be [T, H], got shape {tuple(hidden.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
+        raise ValueError(f"weight must be [V, H={hidden.shape[1]}], got shape {tuple(weight.shape)}")
+    if labels.shape != hidden.shape[:1]:
+        raise ValueError(f"labels must be [T={hidden.shape[0]}], got shape {tuple(labels.shape)}")
+    if hidden.dtype != weight.dtype:
+        raise TypeError(f"hidden and weight must share a dtype, got hidden {hidden.dtype}, weight {weight.dtype}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    return _ChunkedCrossEntropy.apply(hidden, weight, labels, chunk_size, ignore_index)
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, chunk_size, ignore_index):
+        valid = labels != ignore_index
+        num_valid = valid.sum()
+        safe_labels = torch.where(valid, labels, 0)
+        logsumexp = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk_size):
+            end = min(start + chunk_size, hidden.shape[0])
+            logits = (hidden[start:end] @ weight.t()).float()
+            chunk_lse = torch.logsumexp(logits, dim=-1)
+            target = logits.gather(1, safe_labels[start:end, None])[:, 0]
+            loss_sum += ((chunk_lse - target) * valid[start:end]).sum()
+            logsumexp[start:end] = chunk_lse
+            del logits
+        ctx.save_for_backward(hidden, weight, safe_labels, valid, logsumexp, num_valid)
+        ctx.chunk_size = chunk_size
+        return loss_sum / num_valid.clamp(min=1)
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        hidden, weight, safe_labels, valid, logsumexp, num_valid = ctx.saved_tensors
+        # d loss / d logits = (softmax - onehot) * valid * grad / num_valid
+        row_scale = valid.float() * (grad_loss.float() / num_valid.clamp(min=1))
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        # accumulate the weight gradient in float32 across chunks, round once at the end
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
+            if ctx.needs_input_grad[1] else None
+        for start in range(0, hidden.shape[0], ctx.chunk_size):
+            end = min(start + ctx.chunk_size, hidden.shape[0])
+            h = hidden[start:end]
+            grad_logits = (h @ weight.t()).float()
+            grad_logits.sub_(logsumexp[start:end, None]).exp_()
+            rows = torch.arange(end - start, device=hidden.device)
+            grad_logits[rows, safe_labels[start:end]] -= 1.0
+            grad_logits.mul_(row_scale[start:end, None])
+            grad_logits = grad_logits.to(weight.dtype)
+            if grad_hidden is not None:
+                grad_hidden[start:end] = grad_logits @ weight
+            if grad_weight is not None:
+                if grad_weight.dtype == grad_logits.dtype:
+                    grad_weight.addmm_(grad_logits.t(), h)
+                else:
+                    grad_weight.add_(grad_logits.t() @ h)
+            del grad_logits
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None

@@ -1,0 +1,205 @@
+"""QwenHybridForCausalLM: the Qwen3.5 hybrid decoder (Gated DeltaNet + gated attention) with a
+chunked-vocabulary loss, packed-sequence support and HF checkpoint loading/saving."""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from qwen_hybrid import checkpoint_io
+from qwen_hybrid.config import QwenHybridConfig
+from qwen_hybrid.layers import DecoderLayer, RMSNorm
+from qwen_hybrid.loss import DEFAULT_CHUNK_SIZE, IGNORE_INDEX, chunked_cross_entropy
+
+
+@dataclasses.dataclass
+class CausalLMOutput:
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+
+
+class QwenHybridModel(nn.Module):
+    """Embedding, decoder layers and final norm (HF's `model.` prefix)."""
+
+    def __init__(self, config: QwenHybridConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
+        self.layers = nn.ModuleList([DecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.activation_checkpointing = False
+
+    def forward(self, input_ids, cu_seqlens=None, position_ids=None) -> torch.Tensor:
+        """input_ids [B, T] -> final hidden states [B, T, H]."""
+        batch, length = input_ids.shape
+        max_seqlen = None
+        if cu_seqlens is not None:
+            lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+            max_seqlen = max(lengths) if lengths else 0
+        cos = sin = None
+        if "full_attention" in self.config.layer_types:
+            if position_ids is None:
+                position_ids = _positions(batch, length, cu_seqlens, input_ids.device)
+            cos, sin = _rotary_tables(position_ids, self.config.rotary_dim, self.config.rope_theta)
+        hidden = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                hidden = checkpoint(layer, hidden, cos, sin, cu_seqlens, max_seqlen, use_reentrant=False)
+            else:
+                hidden = layer(hidden, cos, sin, cu_seqlens, max_seqlen)
+        return self.norm(hidden)
+
+
+class LMHead(nn.Linear):
+    """The vocabulary projection. Its forward also computes the chunked loss, so that ZeRO-3's
+    module hooks gather the weight for the loss as they do for the logits."""
+
+    def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE):
+        """hidden [..., H] -> logits [..., V]; with labels ([T], hidden [T, H]) -> mean loss instead."""
+        if labels is None:
+            return F.linear(hidden, self.weight)
+        return chunked_cross_entropy(hidden, self.weight, labels, chunk_size=chunk_size)
+
+
+class QwenHybridForCausalLM(nn.Module):
+    def __init__(self, config: QwenHybridConfig):
+        super().__init__()
+        self.config = config
+        self.model = QwenHybridModel(config)
+        self.lm_head = LMHead(config.hidden_size, config.vocab_size, bias=False)
+        self.loss_chunk_size = DEFAULT_CHUNK_SIZE
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if isinstance(module, nn.Embedding) and module.padding_idx is not None:
+                with torch.no_grad():
+                    module.weight[module.padding_idx].zero_()
+
+    def set_activation_checkpointing(self, enabled: bool) -> None:
+        """Recompute each decoder layer in the backward instead of keeping its activations."""
+        self.model.activation_checkpointing = bool(enabled)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        return_logits: bool | None = None,
+    ) -> CausalLMOutput:
+        """input_ids [B, T]. cu_seqlens [N+1] (B = 1): packed documents, each independent in every
+        layer. position_ids [B, T]: RoPE positions (default: 0.. per row, or per document).
+        labels [B, T] aligned with input_ids like HF's (the model shifts them; -100 ignored;
+        no target crosses a document boundary). return_logits defaults to `labels is None`."""
+        _check_inputs(input_ids, cu_seqlens, position_ids, labels)
+        hidden = self.model(input_ids, cu_seqlens, position_ids)
+        if return_logits is None:
+            return_logits = labels is None
+        output = CausalLMOutput()
+        if labels is not None:
+            targets = shift_labels(labels, cu_seqlens)
+            output.loss = self.lm_head(
+                hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1), chunk_size=self.loss_chunk_size
+            )
+        if return_logits:
+            output.logits = self.lm_head(hidden)
+        return output
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | os.PathLike,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        **config_overrides,
+    ) -> "QwenHybridForCausalLM":
+        """Load an HF Qwen3.5 directory (config.json + safetensors, sharded or not; text-only or the
+        text tower of the full multimodal checkpoint). dtype None keeps the stored dtypes.
+        config_overrides (e.g. gdn_backend="torch") replace config values."""
+        hf_config = checkpoint_io.read_config(path)
+        config = QwenHybridConfig.from_hf(hf_config, **config_overrides)
+        with torch.device("meta"):
+            model = cls(config)
+        expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+        if config.tie_word_embeddings:
+            expected.pop("lm_head.weight")
+        state = checkpoint_io.load_state_dict(path, expected, dtype=dtype, device=device)
+        model.load_state_dict(state, strict=False, assign=True)
+        if config.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        return model
+
+    def save_pretrained(self, path: str | os.PathLike, max_shard_bytes: int = 5 * 1024**3) -> None:
+        """Write config.json + safetensors that `transformers.Qwen3_5ForCausalLM.from_pretrained` loads."""
+        state = dict(self.state_dict())
+        if self.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        hf_config = self.config.to_hf()
+        hf_config["dtype"] = str(self.model.embed_tokens.weight.dtype).removeprefix("torch.")
+        checkpoint_io.save(path, hf_config, state, max_shard_bytes=max_shard_bytes)
+
+
+def shift_labels(labels: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """Targets for next-token prediction: position t is scored against labels[t + 1]; the last
+    position of each row, and with cu_seqlens the last token of each document, get none."""
+    targets = torch.full_like(labels, IGNORE_INDEX)
+    targets[:, :-1] = labels[:, 1:]
+    if cu_seqlens is not None:
+        last_tokens = cu_seqlens[1:].to(torch.long) - 1
+        targets[0, last_tokens[last_tokens >= 0]] = IGNORE_INDEX
+    return targets
+
+
+def _positions(batch: int, length: int, cu_seqlens: torch.Tensor | None, device) -> torch.Tensor:
+    positions = torch.arange(length, device=device)
+    if cu_seqlens is not None:
+        starts = cu_seqlens.to(device=device, dtype=torch.long)
+        doc_of_token = torch.searchsorted(starts[1:], positions, right=True)
+        positions = positions - starts[doc_of_token]
+    return positions.unsqueeze(0).expand(batch, length)
+
+
+def _rotary_tables(position_ids: torch.Tensor, rotary_dim: int, theta: float):
+    """cos, sin [B, T, rotary_dim] float32 for the rotate-half layout (HF's default RoPE; Qwen3.5's
+    interleaved M-RoPE equals it when all three position streams hold the text positions)."""
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float, device=position_ids.device) / rotary_dim)
+    )
+    freqs = position_ids[..., None].float() * inv_freq
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def _check_inputs(input_ids, cu_seqlens, position_ids, labels) -> None:
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        raise ValueError(f"input_ids must be a [B, T] tensor, got {shape}")
+    if input_ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"input_ids must be int32 or int64, got {input_ids.dtype}")
+    batch, length = input_ids.shape
+    if cu_seqlens is not None:
+        if batch != 1:
+            raise ValueError(f"cu_seqlens needs input_ids with B = 1 (documents packed in one row), got B = {batch}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
+            raise ValueError(
+                f"cu_seqlens must be a 1-D integer tensor [N+1], got shape {tuple(cu_seqlens.shape)}, "
+                f"dtype {cu_seqlens.dtype}"
+            )
+        bounds = cu_seqlens.tolist()
+        if bounds[0] != 0 or bounds[-1] != length or any(b < a for a, b in zip(bounds[:-1], bounds[1:])):
+            raise ValueError(
+                f"cu_seqlens must start at 0, end at T = {length} and not decrease, got {bounds[:8]}"
+                f"{'...' if len(bounds) > 8 else ''}"
+            )
+    for name, tensor in (("position_ids", position_ids), ("labels", labels)):
+        if tensor is not None and tuple(tensor.shape) != (batch, length):
+            raise ValueError(f"{name} must be [B, T] = {(batch, length)} like input_ids, got {tuple(tensor.shape)}")
