@@ -23,8 +23,8 @@ def chunked_cross_entropy(
     """Mean cross entropy of `hidden @ weight.T` against `labels`, ignoring `ignore_index`.
 
     hidden: [T, H]; weight: [V, H] (the LM head); labels: [T] integer class per row (already
-    shifted for next-token prediction). Returns a float32 scalar; NaN-free 0 when every label is
-    ignored (its gradient is then zero).
+    shifted for next-token prediction). Returns a float32 scalar (float64 for float64 inputs);
+    0 when every label is ignored (its gradient is then zero).
     """
     if hidden.dim() != 2:
         raise ValueError(f"hidden must be [T, H], got shape {tuple(hidden.shape)}")
@@ -42,14 +42,15 @@ def chunked_cross_entropy(
 class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, chunk_size, ignore_index):
+        accumulate = torch.float64 if hidden.dtype == torch.float64 else torch.float32
         valid = labels != ignore_index
         num_valid = valid.sum()
         safe_labels = torch.where(valid, labels, 0)
-        logsumexp = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-        loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        logsumexp = torch.empty(hidden.shape[0], dtype=accumulate, device=hidden.device)
+        loss_sum = torch.zeros((), dtype=accumulate, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk_size):
             end = min(start + chunk_size, hidden.shape[0])
-            logits = (hidden[start:end] @ weight.t()).float()
+            logits = (hidden[start:end] @ weight.t()).to(accumulate)
             chunk_lse = torch.logsumexp(logits, dim=-1)
             target = logits.gather(1, safe_labels[start:end, None])[:, 0]
             loss_sum += ((chunk_lse - target) * valid[start:end]).sum()
@@ -63,15 +64,16 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         hidden, weight, safe_labels, valid, logsumexp, num_valid = ctx.saved_tensors
         # d loss / d logits = (softmax - onehot) * valid * grad / num_valid
-        row_scale = valid.float() * (grad_loss.float() / num_valid.clamp(min=1))
+        accumulate = logsumexp.dtype
+        row_scale = valid.to(accumulate) * (grad_loss.to(accumulate) / num_valid.clamp(min=1))
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         # accumulate the weight gradient in float32 across chunks, round once at the end
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
+        grad_weight = torch.zeros(weight.shape, dtype=accumulate, device=weight.device) \
             if ctx.needs_input_grad[1] else None
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             end = min(start + ctx.chunk_size, hidden.shape[0])
             h = hidden[start:end]
-            grad_logits = (h @ weight.t()).float()
+            grad_logits = (h @ weight.t()).to(accumulate)
             grad_logits.sub_(logsumexp[start:end, None]).exp_()
             rows = torch.arange(end - start, device=hidden.device)
             grad_logits[rows, safe_labels[start:end]] -= 1.0

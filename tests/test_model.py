@@ -1,0 +1,207 @@
+"""The hybrid model on its own: packed sequences, config errors, the chunked loss, checkpointing."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from qwen_hybrid import QwenHybridConfig, QwenHybridForCausalLM
+from qwen_hybrid.config import NAMED_SIZES
+from qwen_hybrid.layers import AttentionCore, CausalConv1d, GatedDeltaRule
+from qwen_hybrid.loss import chunked_cross_entropy
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual.double() - expected.double()).norm() / expected.double().norm().clamp(min=1e-30)).item()
+
+
+def tiny_model(seed: int = 0, **overrides) -> QwenHybridForCausalLM:
+    torch.manual_seed(seed)
+    model = QwenHybridForCausalLM(QwenHybridConfig.named("tiny", gdn_backend="torch", **overrides)).eval()
+    with torch.no_grad():  # non-trivial norms, gates and decays
+        for name, param in model.named_parameters():
+            if param.dim() == 1:
+                param.add_(torch.randn_like(param) * 0.1)
+    return model
+
+
+def test_packed_documents_equal_each_document_alone():
+    model = tiny_model()
+    lengths = [37, 0, 50, 3]  # an empty document and one shorter than the conv kernel
+    docs = [torch.randint(0, 512, (1, n), generator=torch.Generator().manual_seed(i)) for i, n in enumerate(lengths)]
+    packed = torch.cat(docs, dim=1)
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    with torch.no_grad():
+        packed_out = model(packed, cu_seqlens=cu_seqlens, labels=packed, return_logits=True)
+        alone = [model(doc, labels=doc, return_logits=True) for doc in docs if doc.shape[1] > 0]
+    expected_logits = torch.cat([out.logits for out in alone], dim=1)
+    assert relative_error(packed_out.logits, expected_logits) <= 1e-5
+    # the packed loss is the token-weighted mean of the per-document losses (n - 1 targets each)
+    targets = [n - 1 for n in lengths if n > 0]
+    expected_loss = sum(out.loss * t for out, t in zip(alone, targets)) / sum(targets)
+    assert abs(packed_out.loss.item() - expected_loss.item()) <= 1e-5 * expected_loss.item()
+
+    # and without cu_seqlens the documents would see each other
+    with torch.no_grad():
+        unmasked = model(packed).logits
+    assert relative_error(unmasked, expected_logits) > 1e-3
+
+
+def test_causal_conv_restarts_at_document_boundaries():
+    conv = CausalConv1d(channels=6, kernel_size=4)
+    lengths = [5, 1, 0, 9]
+    x = torch.randn(1, sum(lengths), 6)
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    expected = torch.cat([conv(part) for part in x.split(lengths, dim=1) if part.shape[1] > 0], dim=1)
+    assert torch.allclose(conv(x, cu_seqlens), expected, atol=1e-6)
+    # a token's output only depends on the kernel_size - 1 tokens before it
+    shifted = torch.cat([torch.zeros(1, 3, 6), x], dim=1)
+    assert torch.allclose(conv(shifted)[:, 3:], conv(x), atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (dict(num_attention_heads=6, num_key_value_heads=4), "num_key_value_heads"),
+        (dict(linear_num_key_heads=3, linear_num_value_heads=4), "linear_num_key_heads"),
+        (dict(layer_types=["linear_attention", "sliding_attention", "linear_attention", "full_attention"]),
+         r"layer_types\[1\]"),
+        (dict(layer_types=["linear_attention"] * 3), "layer_types"),
+        (dict(gdn_backend="triton"), "gdn_backend"),
+        (dict(hidden_size=0), "hidden_size"),
+        (dict(partial_rotary_factor=0.01), "partial_rotary_factor"),
+    ],
+)
+def test_bad_config_names_the_field(overrides, field):
+    with pytest.raises(ValueError, match=field):
+        QwenHybridConfig.named("tiny", **overrides)
+
+
+def test_bad_hf_configs_are_refused():
+    base = QwenHybridConfig.named("tiny").to_hf()
+    with pytest.raises(ValueError, match="rope_type"):
+        QwenHybridConfig.from_hf({**base, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ValueError, match="hidden_act"):
+        QwenHybridConfig.from_hf({**base, "hidden_act": "gelu"})
+    with pytest.raises(ValueError, match="linear_num_value_heads"):
+        QwenHybridConfig.from_hf({**base, "linear_num_value_heads": 5})
+
+
+def test_bad_inputs_are_refused():
+    model = tiny_model()
+    ids = torch.randint(0, 512, (2, 10))
+    with pytest.raises(ValueError, match="B = 1"):
+        model(ids, cu_seqlens=torch.tensor([0, 5, 10]))
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        model(ids[:1], cu_seqlens=torch.tensor([0, 5, 9]))
+    with pytest.raises(ValueError, match="labels"):
+        model(ids, labels=ids[:, :5])
+
+
+@pytest.mark.parametrize("size", ["0.8B", "2B", "4B", "9B", "27B"])
+def test_named_sizes_have_their_parameter_counts(size):
+    config = QwenHybridConfig.named(size)
+    assert config.layer_types.count("full_attention") == config.num_hidden_layers // 4
+    with torch.device("meta"):
+        model = QwenHybridForCausalLM(config)
+    count = sum(p.numel() for p in model.parameters())  # tied weights count once
+    nominal = float(size.removesuffix("B")) * 1e9
+    # the names round the text tower's size (Qwen3.5's own names also count the vision tower)
+    assert 0.6 * nominal <= count <= 1.1 * nominal, count
+
+
+def test_named_rejects_unknown_size():
+    with pytest.raises(ValueError, match="size must be one of"):
+        QwenHybridConfig.named("7B")
+    assert set(NAMED_SIZES) == {"tiny", "0.8B", "2B", "4B", "9B", "27B"}
+
+
+@pytest.mark.parametrize("chunk_size", [1, 7, 64, 1000])
+def test_chunked_cross_entropy_matches_full_cross_entropy(chunk_size):
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(50, 16, dtype=torch.float64, generator=generator, requires_grad=True)
+    weight = torch.randn(33, 16, dtype=torch.float64, generator=generator, requires_grad=True)
+    labels = torch.randint(0, 33, (50,), generator=generator)
+    labels[::4] = -100
+    loss = chunked_cross_entropy(hidden, weight, labels, chunk_size=chunk_size)
+    grads = torch.autograd.grad(loss * 3.0, (hidden, weight))
+    expected = F.cross_entropy(hidden @ weight.t(), labels, ignore_index=-100)
+    expected_grads = torch.autograd.grad(expected * 3.0, (hidden, weight))
+    assert torch.allclose(loss, expected, rtol=1e-12)
+    for grad, expected_grad in zip(grads, expected_grads):
+        assert torch.allclose(grad, expected_grad, rtol=1e-10, atol=1e-12)
+
+
+def test_chunked_cross_entropy_with_every_label_ignored_is_zero():
+    hidden = torch.randn(8, 4, requires_grad=True)
+    weight = torch.randn(5, 4, requires_grad=True)
+    loss = chunked_cross_entropy(hidden, weight, torch.full((8,), -100))
+    loss.backward()
+    assert loss.item() == 0.0 and hidden.grad.abs().sum() == 0 and weight.grad.abs().sum() == 0
+
+
+def test_labels_give_loss_without_logits_by_default():
+    model = tiny_model()
+    ids = torch.randint(0, 512, (1, 12))
+    out = model(ids, labels=ids)
+    assert out.logits is None and out.loss.dim() == 0
+    assert model(ids).logits.shape == (1, 12, 512) and model(ids).loss is None
+
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    ids = torch.randint(0, 512, (1, 40), generator=torch.Generator().manual_seed(2))
+    grads = []
+    for enabled in (False, True):
+        model = tiny_model(seed=5)
+        model.set_activation_checkpointing(enabled)
+        model(ids, cu_seqlens=torch.tensor([0, 15, 40]), labels=ids).loss.backward()
+        grads.append({name: p.grad for name, p in model.named_parameters()})
+    for name in grads[0]:
+        assert torch.allclose(grads[0][name], grads[1][name], rtol=1e-5, atol=1e-7), name
+
+
+def test_kernel_calls_go_through_parameter_free_modules():
+    model = tiny_model()
+    rules = [m for m in model.modules() if isinstance(m, GatedDeltaRule)]
+    cores = [m for m in model.modules() if isinstance(m, AttentionCore)]
+    assert len(rules) == 2 and len(cores) == 2
+    assert all(not list(m.parameters()) for m in rules + cores)
+    assert all(rule.backend == "torch" for rule in rules)
+    calls = []
+    for module in rules + cores:
+        module.register_forward_hook(lambda m, args, out: calls.append(type(m).__name__))
+    model(torch.randint(0, 512, (1, 9)))
+    assert sorted(calls) == ["AttentionCore"] * 2 + ["GatedDeltaRule"] * 2
+
+
+def test_layers_expose_head_counts():
+    model = tiny_model()
+    gdn = model.model.layers[0].linear_attn
+    attention = model.model.layers[1].self_attn
+    assert (gdn.num_k_heads, gdn.num_v_heads) == (2, 4)
+    assert (attention.num_heads, attention.num_kv_heads) == (4, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_bf16_model_matches_float32_torch_reference():
+    """bf16 on the GPU (TileLang GDN kernels on Hopper, FlashAttention varlen) against float32 torch."""
+    config = QwenHybridConfig.named("tiny", linear_key_head_dim=128, linear_value_head_dim=128, head_dim=128,
+                                    gdn_backend="auto")
+    torch.manual_seed(0)
+    reference = QwenHybridForCausalLM(QwenHybridConfig(**{**config.__dict__, "gdn_backend": "torch"}))
+    fast = QwenHybridForCausalLM(config)
+    fast.load_state_dict(reference.state_dict())
+    fast = fast.to("cuda", torch.bfloat16)
+    lengths = [700, 1, 300]
+    ids = torch.randint(0, 512, (1, sum(lengths)), generator=torch.Generator().manual_seed(1))
+    cu_seqlens = torch.tensor([0, 700, 701, 1001], dtype=torch.int32)
+    expected = reference(ids, cu_seqlens=cu_seqlens, labels=ids, return_logits=True)
+    expected.loss.backward()
+    actual = fast(ids.cuda(), cu_seqlens=cu_seqlens.cuda(), labels=ids.cuda(), return_logits=True)
+    actual.loss.backward()
+    assert relative_error(actual.logits.float().cpu(), expected.logits) <= 3e-2
+    assert abs(actual.loss.item() - expected.loss.item()) <= 1e-2 * expected.loss.item()
+    reference_params = dict(reference.named_parameters())
+    for name, param in fast.named_parameters():
+        assert relative_error(param.grad.float().cpu(), reference_params[name].grad) <= 5e-2, name
