@@ -1,0 +1,60 @@
+"""TileLang kernels for the chunked gated delta rule on Hopper (SM90).
+
+`forward` is the entry the public op calls with validated inputs (q, k already L2-normalised
+when asked). Kernel files: cumsum.py (chunk-local cumsum of g), inverse.py (gate-free inverse per
+chunk), fused_forward.py (o and final state), chunk_states.py (state-only X/Y recurrence).
+"""
+
+import torch
+
+from flashqla.hopper.chunk_plan import chunk_indices, chunk_offsets, device_sm_count, flat_cu_seqlens, value_block_size
+from flashqla.hopper.cumsum import chunk_local_cumsum
+from flashqla.hopper.fused_forward import fused_forward
+from flashqla.hopper.inverse import gate_free_inverse
+
+SUPPORTED_HEAD_DIM = 128
+SUPPORTED_INPUT_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def check_supported(q: torch.Tensor, v: torch.Tensor) -> None:
+    """Raise ValueError for inputs the Hopper kernels do not cover."""
+    head_k, head_v = q.shape[-1], v.shape[-1]
+    if head_k != SUPPORTED_HEAD_DIM or head_v != SUPPORTED_HEAD_DIM:
+        raise ValueError(f"backend='tilelang' supports K = V = 128, got K={head_k}, V={head_v}")
+    if q.dtype not in SUPPORTED_INPUT_DTYPES or v.dtype != q.dtype:
+        raise ValueError(f"backend='tilelang' needs q, k, v all bfloat16 or all float16, got q {q.dtype}, v {v.dtype}")
+
+
+def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
+    """(o, final_state or None) for q, k [B, T, Hqk, 128], v [B, T, Hv, 128], g, beta [B, T, Hv]."""
+    check_supported(q, v)
+    batch_size, seq_len, num_qk_heads, head_dim = q.shape
+    num_v_heads = v.shape[2]
+    num_tokens = batch_size * seq_len
+    if cu_seqlens is None:
+        cu_seqlens = flat_cu_seqlens(batch_size, seq_len, q.device)
+    cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()
+    if scale is None:
+        scale = head_dim ** -0.5
+
+    q_flat = q.reshape(num_tokens, num_qk_heads, head_dim).contiguous()
+    k_flat = k.reshape(num_tokens, num_qk_heads, head_dim).contiguous()
+    v_flat = v.reshape(num_tokens, num_v_heads, head_dim).contiguous()
+    beta_flat = beta.reshape(num_tokens, num_v_heads).contiguous()
+    if beta_flat.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        beta_flat = beta_flat.float()
+    if g.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        g = g.float()
+
+    chunk_index = chunk_indices(cu_seqlens)
+    offsets = chunk_offsets(cu_seqlens)
+    gamma = chunk_local_cumsum(g.reshape(1, num_tokens, num_v_heads), cu_seqlens, chunk_index=chunk_index)
+    inverse = gate_free_inverse(k_flat.unsqueeze(0), beta_flat.unsqueeze(0), cu_seqlens, chunk_index=chunk_index)
+
+    busy_sequences = max(int((cu_seqlens[1:] > cu_seqlens[:-1]).sum().item()), 1)
+    value_block = value_block_size(busy_sequences, num_v_heads, head_dim, device_sm_count(q.device))
+    h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
+    o, final_state, _ = fused_forward(
+        q_flat, k_flat, v_flat, gamma.view(num_tokens, num_v_heads), beta_flat, inverse.view(num_tokens, num_v_heads, -1),
+        scale, h0, cu_seqlens, value_block, output_final_state=output_final_state, offsets=offsets)
+    return o.view(batch_size, seq_len, num_v_heads, head_dim), final_state
