@@ -7,6 +7,8 @@ heads from outside only has to slice the weights and set those attributes.
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -166,12 +168,7 @@ class AttentionCore(nn.Module):
         if q.is_cuda and _varlen_attn is not None and q.dtype in (torch.float16, torch.bfloat16):
             if max_seqlen is None:
                 max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-            cu = cu_seqlens.to(torch.int32)
-            out = _varlen_attn(
-                q[0], k[0], v[0], cu, cu, max_seqlen, max_seqlen, scale=scale, window_size=(-1, 0),
-                enable_gqa=q.shape[2] != k.shape[2],
-            )
-            return out.unsqueeze(0)
+            return _varlen_causal(q[0], k[0], v[0], cu_seqlens.to(torch.int32), max_seqlen, scale).unsqueeze(0)
         bounds = cu_seqlens.tolist()
         outs = [
             _sdpa(q[:, start:end], k[:, start:end], v[:, start:end], scale)
@@ -183,8 +180,26 @@ class AttentionCore(nn.Module):
 
 try:
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn
+
+    _VARLEN_PARAMETERS = inspect.signature(_varlen_attn).parameters
 except ImportError:
-    _varlen_attn = None
+    _varlen_attn, _VARLEN_PARAMETERS = None, {}
+
+
+def _varlen_causal(q, k, v, cu_seqlens, max_seqlen, scale) -> torch.Tensor:
+    """Causal varlen FlashAttention on [T, H, D]; the keyword for causality and GQA support
+    differ between torch releases."""
+    if k.shape[1] != q.shape[1] and "enable_gqa" not in _VARLEN_PARAMETERS:
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    kwargs = {"scale": scale}
+    if "enable_gqa" in _VARLEN_PARAMETERS:
+        kwargs["enable_gqa"] = k.shape[1] != q.shape[1]
+    if "window_size" in _VARLEN_PARAMETERS:
+        kwargs["window_size"] = (-1, 0)
+    else:
+        kwargs["is_causal"] = True
+    return _varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs)
 
 
 def _sdpa(q, k, v, scale) -> torch.Tensor:
