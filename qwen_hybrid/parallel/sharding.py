@@ -1,0 +1,326 @@
+"""Tensor parallelism for `QwenHybridForCausalLM`, applied from outside to a built model.
+
+Per decoder layer, rank r of a tensor-parallel group of size tp holds:
+- Gated DeltaNet: key heads [r*Hk/tp, (r+1)*Hk/tp) with exactly the value heads that read them
+  (value head h reads key head h // (Hv/Hk), so contiguous splits of both stay group-aligned):
+  those rows of the fused q|k|v projection and conv1d channels, of z, b, a, A_log and dt_bias;
+  the matching input columns of out_proj (row-parallel).
+- Gated attention: query heads (with their output gates) split; KV heads split when tp divides
+  them, otherwise replicated (each rank keeps the one KV head its query heads read); o_proj
+  row-parallel.
+- MLP: gate/up rows (column-parallel), down_proj columns (row-parallel).
+- Embedding and LM head: vocabulary rows (`vocab.py`).
+Norm weights shared by all heads (the GDN output norm, q_norm, k_norm) stay whole on every rank;
+their gradients, computed from local heads only, are summed over the group. Residual-stream norms
+need nothing: their inputs and gradients are already whole on every rank.
+
+Each block's input passes `copy_to_tensor_parallel` and its output `reduce_from_tensor_parallel`
+(module hooks), so the model code runs unchanged on its local head counts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from qwen_hybrid.config import QwenHybridConfig
+from qwen_hybrid.layers import DecoderLayer
+from qwen_hybrid.model import QwenHybridForCausalLM
+from qwen_hybrid.parallel.collectives import copy_to_tensor_parallel, reduce_from_tensor_parallel
+from qwen_hybrid.parallel.groups import ParallelGroups
+from qwen_hybrid.parallel.vocab import VocabParallelEmbedding, VocabParallelLMHead
+
+
+@dataclasses.dataclass(frozen=True)
+class ParameterShard:
+    """The part of a full parameter one rank holds: the pieces [start, end) along `dim`, concatenated
+    in order. `copies` ranks hold this same slice (replicated KV heads); `first_copy` is False on
+    all but the lowest of them, so a gradient norm counts the slice once."""
+
+    dim: int
+    pieces: tuple[tuple[int, int], ...]
+    full_size: int
+    copies: int = 1
+    first_copy: bool = True
+
+    @property
+    def local_size(self) -> int:
+        return sum(end - start for start, end in self.pieces)
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the full tensor (a new tensor)."""
+        return torch.cat([full.narrow(self.dim, start, end - start) for start, end in self.pieces], dim=self.dim)
+
+    def place(self, local: torch.Tensor, full: torch.Tensor) -> None:
+        """Write this rank's slice `local` into its place in `full`."""
+        offset = 0
+        for start, end in self.pieces:
+            full.narrow(self.dim, start, end - start).copy_(local.narrow(self.dim, offset, end - start))
+            offset += end - start
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorParallelPlan:
+    """What rank `tp_rank` of `tp_size` holds: `shards` by parameter name (every other parameter is
+    whole); `partial_gradient`: whole parameters whose gradient here covers local heads only;
+    `local_heads`: head-count attributes to set per module path; `vocab_start`: first vocabulary row."""
+
+    tp_size: int
+    tp_rank: int
+    shards: dict[str, ParameterShard]
+    partial_gradient: tuple[str, ...]
+    local_heads: dict[str, dict[str, int]]
+    vocab_start: int
+
+
+def plan_tensor_parallel(config: QwenHybridConfig, tp_size: int, tp_rank: int) -> TensorParallelPlan:
+    """The shard plan of one rank. Raises ValueError naming the layer and the counts when a head
+    count, the intermediate size or the vocabulary does not split over tp_size."""
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"tp_size must be a positive integer, got {tp_size!r}")
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank must be in [0, {tp_size}), got {tp_rank}")
+    tp, r = tp_size, tp_rank
+    shards: dict[str, ParameterShard] = {}
+    partial_gradient: list[str] = []
+    local_heads: dict[str, dict[str, int]] = {}
+
+    def rows(start: int, count: int) -> tuple[int, int]:
+        return (start + r * count, start + (r + 1) * count)
+
+    for i, layer_type in enumerate(config.layer_types):
+        prefix = f"model.layers.{i}"
+        if layer_type == "linear_attention":
+            block = f"{prefix}.linear_attn"
+            num_k, num_v = config.linear_num_key_heads, config.linear_num_value_heads
+            dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
+            if num_k % tp != 0:
+                raise ValueError(
+                    f"{block}: linear_num_key_heads = {num_k} does not divide by tp = {tp} (each rank needs whole "
+                    f"key heads, with the {num_v // num_k} value heads that read each; linear_num_value_heads = {num_v})"
+                )
+            k_local, v_local = num_k // tp, num_v // tp
+            key_dim, value_dim = num_k * dk, num_v * dv
+            qkv = (rows(0, k_local * dk), rows(key_dim, k_local * dk), rows(2 * key_dim, v_local * dv))
+            qkv_size = 2 * key_dim + value_dim
+            shards[f"{block}.in_proj_qkv.weight"] = ParameterShard(0, qkv, qkv_size)
+            shards[f"{block}.conv1d.weight"] = ParameterShard(0, qkv, qkv_size)
+            shards[f"{block}.in_proj_z.weight"] = ParameterShard(0, (rows(0, v_local * dv),), value_dim)
+            for name in ("in_proj_b.weight", "in_proj_a.weight", "dt_bias", "A_log"):
+                shards[f"{block}.{name}"] = ParameterShard(0, (rows(0, v_local),), num_v)
+            shards[f"{block}.out_proj.weight"] = ParameterShard(1, (rows(0, v_local * dv),), value_dim)
+            partial_gradient.append(f"{block}.norm.weight")
+            local_heads[block] = {"num_k_heads": k_local, "num_v_heads": v_local}
+        else:
+            block = f"{prefix}.self_attn"
+            num_heads, num_kv, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+            if num_heads % tp != 0:
+                raise ValueError(f"{block}: num_attention_heads = {num_heads} does not divide by tp = {tp}")
+            if num_kv % tp != 0 and tp % num_kv != 0:
+                raise ValueError(
+                    f"{block}: num_key_value_heads = {num_kv} and tp = {tp}: KV heads are split when tp divides "
+                    f"them and replicated when they divide tp, neither holds"
+                )
+            heads_local = num_heads // tp
+            # query rows hold [query | gate] per head
+            shards[f"{block}.q_proj.weight"] = ParameterShard(
+                0, (rows(0, heads_local * 2 * head_dim),), num_heads * 2 * head_dim
+            )
+            if num_kv % tp == 0:
+                kv_local = num_kv // tp
+                kv_shard = ParameterShard(0, (rows(0, kv_local * head_dim),), num_kv * head_dim)
+            else:
+                kv_local, copies = 1, tp // num_kv
+                kv_head = r // copies
+                kv_shard = ParameterShard(
+                    0, ((kv_head * head_dim, (kv_head + 1) * head_dim),), num_kv * head_dim,
+                    copies=copies, first_copy=r % copies == 0,
+                )
+            shards[f"{block}.k_proj.weight"] = kv_shard
+            shards[f"{block}.v_proj.weight"] = kv_shard
+            shards[f"{block}.o_proj.weight"] = ParameterShard(
+                1, (rows(0, heads_local * head_dim),), num_heads * head_dim
+            )
+            partial_gradient += [f"{block}.q_norm.weight", f"{block}.k_norm.weight"]
+            local_heads[block] = {"num_heads": heads_local, "num_kv_heads": kv_local}
+        intermediate = config.intermediate_size
+        if intermediate % tp != 0:
+            raise ValueError(f"{prefix}.mlp: intermediate_size = {intermediate} does not divide by tp = {tp}")
+        mlp_rows = (rows(0, intermediate // tp),)
+        shards[f"{prefix}.mlp.gate_proj.weight"] = ParameterShard(0, mlp_rows, intermediate)
+        shards[f"{prefix}.mlp.up_proj.weight"] = ParameterShard(0, mlp_rows, intermediate)
+        shards[f"{prefix}.mlp.down_proj.weight"] = ParameterShard(1, mlp_rows, intermediate)
+    if config.vocab_size % tp != 0:
+        raise ValueError(
+            f"model.embed_tokens / lm_head: vocab_size = {config.vocab_size} does not divide by tp = {tp}"
+        )
+    vocab_rows = (rows(0, config.vocab_size // tp),)
+    shards["model.embed_tokens.weight"] = ParameterShard(0, vocab_rows, config.vocab_size)
+    shards["lm_head.weight"] = ParameterShard(0, vocab_rows, config.vocab_size)
+    return TensorParallelPlan(
+        tp_size=tp, tp_rank=r, shards=shards, partial_gradient=tuple(partial_gradient),
+        local_heads=local_heads, vocab_start=vocab_rows[0][0],
+    )
+
+
+def shard_model(model: QwenHybridForCausalLM, groups: ParallelGroups) -> QwenHybridForCausalLM:
+    """Shard a built model by heads over `groups.tp_group`, in place; returns it.
+
+    Every rank of the tensor-parallel group calls this on its copy of the model; the weights are
+    first broadcast from the group's first rank, so the copies need not agree. tp = 1 returns the
+    model untouched. Apply before DeepSpeed/ZeRO wrapping and before activation checkpointing is
+    switched on; do not replace the parameters afterwards (their gradient hooks live on them).
+    """
+    if not isinstance(model, QwenHybridForCausalLM):
+        raise TypeError(f"model must be a QwenHybridForCausalLM, got {type(model).__name__}")
+    if groups.tp_size == 1:
+        return model
+    if getattr(model, "tensor_parallel_plan", None) is not None:
+        raise ValueError("model is already sharded (it has a tensor_parallel_plan)")
+    plan = plan_tensor_parallel(model.config, groups.tp_size, groups.tp_rank)
+    _broadcast_from_first_tp_rank(model, groups)
+    cut_to_local_shards(model, plan, groups)
+    attach_tensor_parallel(model, plan, groups)
+    return model
+
+
+def _broadcast_from_first_tp_rank(model: nn.Module, groups: ParallelGroups) -> None:
+    src = groups.get_tensor_model_parallel_src_rank()
+    with torch.no_grad():
+        for tensor in list(model.parameters()) + list(model.buffers()):
+            if tensor.is_meta:
+                continue
+            dist.broadcast(tensor.data, src=src, group=groups.tp_group)
+
+
+def cut_to_local_shards(model: QwenHybridForCausalLM, plan: TensorParallelPlan, groups: ParallelGroups) -> None:
+    """Replace every planned parameter by this rank's slice (meta parameters stay meta), set the
+    local head counts, and swap the embedding and LM head for their vocabulary-parallel forms."""
+    config = model.config
+    parameters = dict(model.named_parameters(remove_duplicate=False))
+    for layer_index, layer in enumerate(model.model.layers):
+        _check_plan_covers(layer, f"model.layers.{layer_index}", plan)
+    for name, shard in plan.shards.items():
+        if config.tie_word_embeddings and name == "lm_head.weight":
+            continue  # the same tensor as the embedding: cut once, re-tied below
+        old = parameters[name]
+        expected = shard.full_size
+        if old.shape[shard.dim] != expected:
+            raise ValueError(f"{name} has size {old.shape[shard.dim]} along dim {shard.dim}, the plan expects {expected}")
+        module_path, attribute = name.rsplit(".", 1)
+        with torch.no_grad():
+            local = nn.Parameter(shard.take(old.detach()), requires_grad=old.requires_grad)
+        setattr(model.get_submodule(module_path), attribute, local)
+    for module_path, counts in plan.local_heads.items():
+        block = model.get_submodule(module_path)
+        for attribute, value in counts.items():
+            setattr(block, attribute, value)
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            module.out_features, module.in_features = module.weight.shape
+    embedding = model.model.embed_tokens
+    model.model.embed_tokens = VocabParallelEmbedding(
+        embedding.weight, plan.vocab_start, config.vocab_size, embedding.padding_idx, groups.tp_group
+    )
+    head_weight = model.model.embed_tokens.weight if config.tie_word_embeddings else model.lm_head.weight
+    model.lm_head = VocabParallelLMHead(head_weight, plan.vocab_start, config.vocab_size, groups.tp_group)
+
+
+def _check_plan_covers(layer: DecoderLayer, prefix: str, plan: TensorParallelPlan) -> None:
+    """A parameter of a head-sharded block that the plan does not know would silently stay whole."""
+    handled = set(plan.shards) | set(plan.partial_gradient)
+    for child in ("linear_attn", "self_attn", "mlp"):
+        block = getattr(layer, child, None)
+        if block is None:
+            continue
+        for name, _ in block.named_parameters():
+            full_name = f"{prefix}.{child}.{name}"
+            if full_name not in handled:
+                raise RuntimeError(
+                    f"{full_name} is not in the tensor-parallel plan: the model gained a parameter that "
+                    f"qwen_hybrid/parallel/sharding.py must learn to split"
+                )
+
+
+def attach_tensor_parallel(model: QwenHybridForCausalLM, plan: TensorParallelPlan, groups: ParallelGroups) -> None:
+    """Hooks and attributes on an already cut model: block input/output collectives, gradient sums
+    for whole-but-partial parameters and for replicated slices, DeepSpeed's `tensor_model_parallel`
+    flags. Call once, after the final parameter tensors are in place."""
+    group = groups.tp_group
+    for layer in model.model.layers:
+        for child in ("linear_attn", "self_attn", "mlp"):
+            block = getattr(layer, child, None)
+            if block is None:
+                continue
+            block.register_forward_pre_hook(functools.partial(_copy_block_input, group=group), with_kwargs=True)
+            block.register_forward_hook(functools.partial(_reduce_block_output, group=group))
+    parameters = dict(model.named_parameters(remove_duplicate=False))
+    for name in plan.partial_gradient:
+        parameters[name].register_hook(functools.partial(_sum_gradient, group=group))
+    for name, shard in plan.shards.items():
+        parameter = parameters[name]
+        parameter.tensor_model_parallel = shard.first_copy
+        if shard.copies > 1:
+            parameter.register_hook(functools.partial(_sum_gradient_over_copies, shard=shard, group=group))
+    model.tensor_parallel_plan = plan
+
+
+def _copy_block_input(module, args, kwargs, group):
+    if args:
+        return (copy_to_tensor_parallel(args[0], group), *args[1:]), kwargs
+    name = next(iter(kwargs))
+    return args, {**kwargs, name: copy_to_tensor_parallel(kwargs[name], group)}
+
+
+def _reduce_block_output(module, args, output, group):
+    return reduce_from_tensor_parallel(output, group)
+
+
+def _sum_gradient(grad: torch.Tensor, group) -> torch.Tensor:
+    grad = grad.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(grad, group=group)
+    return grad
+
+
+def _sum_gradient_over_copies(grad: torch.Tensor, shard: ParameterShard, group) -> torch.Tensor:
+    # each holder of the slice saw only its own query heads; a zero-padded full-size all-reduce
+    # sums the holders of each slice without a process group per KV head
+    full_shape = list(grad.shape)
+    full_shape[shard.dim] = shard.full_size
+    full = grad.new_zeros(full_shape)
+    shard.place(grad, full)
+    dist.all_reduce(full, group=group)
+    return shard.take(full)
+
+
+def gather_full_state_dict(
+    model: QwenHybridForCausalLM, groups: ParallelGroups, device: torch.device | str = "cpu"
+) -> dict[str, torch.Tensor]:
+    """The unsharded state dict (our = HF names), assembled on the first rank of the tensor-parallel
+    group (on `device`); the other ranks take part and get {}. Collective over the group.
+    Feed it to `checkpoint_io.save` with `model.config.to_hf()` to write an HF checkpoint."""
+    plan = getattr(model, "tensor_parallel_plan", None)
+    if plan is None:
+        return {name: tensor.detach().to(device) for name, tensor in model.state_dict().items()}
+    rank_plans = [plan_tensor_parallel(model.config, plan.tp_size, r) for r in range(plan.tp_size)]
+    keep = groups.tp_rank == 0
+    state: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        tensor = tensor.detach()
+        if name not in plan.shards:
+            if keep:
+                state[name] = tensor.to(device)
+            continue
+        pieces = [torch.empty_like(tensor) for _ in range(plan.tp_size)]
+        dist.all_gather(pieces, tensor.contiguous(), group=groups.tp_group)
+        if keep:
+            full_shape = list(tensor.shape)
+            full_shape[plan.shards[name].dim] = plan.shards[name].full_size
+            full = torch.empty(full_shape, dtype=tensor.dtype, device=device)
+            for rank_plan, piece in zip(rank_plans, pieces):
+                rank_plan.shards[name].place(piece.to(device), full)
+            state[name] = full
+    return state

@@ -1,0 +1,321 @@
+"""Tensor parallelism (qwen_hybrid/parallel) against the unsharded model, on CPU over gloo.
+
+Each multi-process test spawns `world_size` processes; every rank builds the same float32 model,
+keeps an unsharded copy as the reference and compares its sharded copy to it.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import re
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from flashqla.testing import relative_error
+from qwen_hybrid import QwenHybridConfig, QwenHybridForCausalLM
+from qwen_hybrid import checkpoint_io
+from qwen_hybrid.parallel import (
+    gather_full_state_dict,
+    init_parallel_groups,
+    load_sharded_hf_checkpoint,
+    plan_tensor_parallel,
+    shard_model,
+)
+from qwen_hybrid.parallel.vocab import vocab_parallel_cross_entropy
+from qwen_hybrid.loss import chunked_cross_entropy
+
+TOLERANCE = 1e-5
+# tp = 4 needs 4 GDN key heads; attention keeps 2 KV heads, so at tp = 4 each is replicated on 2 ranks
+TP4_OVERRIDES = dict(linear_num_key_heads=4, linear_num_value_heads=8)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(world_size: int, worker, *args) -> None:
+    mp.spawn(_process_entry, args=(world_size, _free_port(), worker, args), nprocs=world_size, join=True)
+
+
+def _process_entry(rank: int, world_size: int, port: int, worker, args) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        worker(*args)
+    finally:
+        dist.destroy_process_group()
+
+
+def _tiny_config(**overrides) -> QwenHybridConfig:
+    return QwenHybridConfig.named("tiny", gdn_backend="torch", **overrides)
+
+
+def _random_model(config: QwenHybridConfig, seed: int = 0) -> QwenHybridForCausalLM:
+    """Every parameter random, norm weights included (HF initialises them to constants)."""
+    torch.manual_seed(seed)
+    model = QwenHybridForCausalLM(config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("A_log"):
+                param.copy_(torch.empty(param.shape).uniform_(-2.0, 1.0, generator=generator))
+            elif param.dim() == 1:
+                offset = 1.0 if name.endswith("linear_attn.norm.weight") else 0.0
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.1 + offset)
+            else:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.08)
+    model.loss_chunk_size = 16  # several loss chunks per step
+    return model
+
+
+def _packed_batch(config: QwenHybridConfig, seed: int, num_tokens: int = 40):
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, config.vocab_size, (1, num_tokens), generator=generator)
+    labels = input_ids.clone()
+    labels[0, 5:8] = -100
+    cu_seqlens = torch.tensor([0, 13, 29, num_tokens], dtype=torch.int32)
+    return input_ids, cu_seqlens, labels
+
+
+def _forward_backward(model, input_ids, cu_seqlens, labels, logits_probe):
+    out = model(input_ids, cu_seqlens=cu_seqlens, labels=labels, return_logits=True)
+    # the probe sends a gradient through the gathered logits as well as through the loss
+    (out.loss + (out.logits * logits_probe).sum()).backward()
+    return out
+
+
+def _sharded_copy(reference: QwenHybridForCausalLM, groups, activation_checkpointing: bool) -> QwenHybridForCausalLM:
+    model = copy.deepcopy(reference)
+    if groups.tp_rank != 0:
+        with torch.no_grad():  # shard_model must take the weights of the group's first rank
+            for param in model.parameters():
+                param.add_(1.0)
+    shard_model(model, groups)
+    model.set_activation_checkpointing(activation_checkpointing)
+    return model
+
+
+def _expected_gradients(model, reference) -> dict[str, torch.Tensor]:
+    """The unsharded model's gradients, cut to this rank's shards."""
+    plan = model.tensor_parallel_plan
+    expected = {}
+    for name, param in reference.named_parameters():
+        expected[name] = plan.shards[name].take(param.grad) if name in plan.shards else param.grad
+    return expected
+
+
+def _check_matches_unsharded(config_overrides: dict, activation_checkpointing: bool) -> None:
+    """float64: every output and gradient within 1e-6 of the unsharded model. float32: loss and
+    logits within 1e-5; each gradient within 1e-5, or, where float32 cannot resolve that (the
+    unsharded float32 model is itself off), no further from the float64 model than 2x the
+    unsharded float32 model is."""
+    groups = init_parallel_groups(dist.get_world_size())
+    config = _tiny_config(**config_overrides)
+    input_ids, cu_seqlens, labels = _packed_batch(config, seed=1)
+    logits_probe = torch.randn(1, input_ids.shape[1], config.vocab_size, generator=torch.Generator().manual_seed(2))
+    runs = {}
+    for dtype in (torch.float64, torch.float32):
+        reference = _random_model(config).to(dtype)
+        model = _sharded_copy(reference, groups, activation_checkpointing)
+        expected = _forward_backward(reference, input_ids, cu_seqlens, labels, logits_probe.to(dtype))
+        got = _forward_backward(model, input_ids, cu_seqlens, labels, logits_probe.to(dtype))
+        runs[dtype] = (model, reference, got, expected)
+
+    model, reference, got, expected = runs[torch.float64]
+    plan = model.tensor_parallel_plan
+    assert relative_error(got.loss, expected.loss) <= 1e-6, (got.loss.item(), expected.loss.item())
+    assert relative_error(got.logits, expected.logits) <= 1e-6
+    truth = _expected_gradients(model, reference)
+    reference_params = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        want = reference_params[name].detach()
+        want = plan.shards[name].take(want) if name in plan.shards else want
+        assert param.shape == want.shape and torch.equal(param.detach(), want), name
+        error = relative_error(param.grad, truth[name])
+        assert error <= 1e-6, f"rank {groups.tp_rank}: float64 gradient of {name} off by {error:.2e}"
+    assert len(truth) == len(dict(model.named_parameters()))
+
+    model, reference, got, expected = runs[torch.float32]
+    assert relative_error(got.loss, expected.loss) <= TOLERANCE, (got.loss.item(), expected.loss.item())
+    assert relative_error(got.logits, expected.logits) <= TOLERANCE
+    unsharded = _expected_gradients(model, reference)
+    for name, param in model.named_parameters():
+        error = relative_error(param.grad, unsharded[name])
+        if error > TOLERANCE:
+            float32_floor = relative_error(unsharded[name], truth[name])
+            error_from_truth = relative_error(param.grad, truth[name])
+            assert error_from_truth <= 2 * float32_floor, (
+                f"rank {groups.tp_rank}: float32 gradient of {name} off by {error:.2e} from the unsharded model "
+                f"and {error_from_truth:.2e} from float64, where the unsharded float32 model is {float32_floor:.2e} off"
+            )
+
+
+def test_tp2_logits_loss_and_gradients_match_unsharded():
+    _spawn(2, _check_matches_unsharded, {}, False)
+
+
+def test_tp4_with_replicated_kv_heads_and_activation_checkpointing_matches_unsharded():
+    plan = plan_tensor_parallel(_tiny_config(**TP4_OVERRIDES), 4, 1)
+    assert plan.shards["model.layers.1.self_attn.k_proj.weight"].copies == 2
+    _spawn(4, _check_matches_unsharded, TP4_OVERRIDES, True)
+
+
+def _check_training_follows_unsharded(num_steps: int) -> None:
+    groups = init_parallel_groups(dist.get_world_size())
+    config = _tiny_config()
+    reference = _random_model(config, seed=3)
+    model = shard_model(copy.deepcopy(reference), groups)
+    losses = {}
+    for key, net in (("unsharded", reference), ("sharded", model)):
+        optimizer = torch.optim.AdamW(net.parameters(), lr=3e-3, weight_decay=0.1)
+        losses[key] = []
+        for step in range(num_steps):
+            input_ids, cu_seqlens, labels = _packed_batch(config, seed=10 + step)
+            loss = net(input_ids, cu_seqlens=cu_seqlens, labels=labels).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses[key].append(loss.item())
+    expected, got = torch.tensor(losses["unsharded"]), torch.tensor(losses["sharded"])
+    assert expected[-1] < expected[0], f"the reference run did not learn: {expected.tolist()}"
+    assert relative_error(got, expected) <= 1e-5, (got.tolist(), expected.tolist())
+    # the shards still assemble into the unsharded weights after the updates
+    full = gather_full_state_dict(model, groups)
+    if groups.tp_rank == 0:
+        for name, tensor in reference.state_dict().items():
+            assert relative_error(full[name], tensor) <= 1e-5, name
+
+
+def test_tp2_optimizer_steps_follow_unsharded_loss_curve():
+    _spawn(2, _check_training_follows_unsharded, 6)
+
+
+def _check_hf_load_into_shards(directory: str, tie_word_embeddings: bool) -> None:
+    groups = init_parallel_groups(dist.get_world_size())
+    loaded = load_sharded_hf_checkpoint(directory, groups, gdn_backend="torch")
+    expected = shard_model(QwenHybridForCausalLM.from_pretrained(directory, gdn_backend="torch"), groups)
+    assert loaded.config.tie_word_embeddings == tie_word_embeddings
+    if tie_word_embeddings:
+        assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    loaded_state, expected_state = loaded.state_dict(), expected.state_dict()
+    assert loaded_state.keys() == expected_state.keys()
+    for name, tensor in expected_state.items():
+        assert torch.equal(loaded_state[name], tensor), name
+    input_ids, cu_seqlens, labels = _packed_batch(loaded.config, seed=4)
+    loaded_loss = loaded(input_ids, cu_seqlens=cu_seqlens, labels=labels).loss
+    expected_loss = expected(input_ids, cu_seqlens=cu_seqlens, labels=labels).loss
+    assert torch.equal(loaded_loss, expected_loss)
+
+
+@pytest.mark.parametrize("tie_word_embeddings", [False, True])
+def test_hf_checkpoint_loads_into_shards_like_load_then_shard(tmp_path, tie_word_embeddings):
+    model = _random_model(_tiny_config(tie_word_embeddings=tie_word_embeddings))
+    model.save_pretrained(tmp_path)
+    _spawn(2, _check_hf_load_into_shards, str(tmp_path), tie_word_embeddings)
+
+
+def _check_groups_layout() -> None:
+    groups = init_parallel_groups(2)
+    rank = dist.get_rank()
+    assert (groups.tp_size, groups.dp_size) == (2, 2)
+    assert (groups.tp_rank, groups.dp_rank) == (rank % 2, rank // 2)
+    for group, ranks in ((groups.tp_group, groups.tp_ranks), (groups.dp_group, groups.dp_ranks)):
+        members = [torch.zeros((), dtype=torch.long) for _ in range(2)]
+        dist.all_gather(members, torch.tensor(rank), group=group)
+        assert [int(m) for m in members] == ranks
+    assert groups.tp_ranks == [rank - rank % 2, rank - rank % 2 + 1]
+    # DeepSpeed reads the data-parallel group and the tensor-parallel size through mpu
+    from deepspeed.utils import groups as deepspeed_groups
+
+    deepspeed_groups.mpu = groups
+    try:
+        assert deepspeed_groups._get_data_parallel_group() is groups.dp_group
+        assert deepspeed_groups._get_data_parallel_world_size() == 2
+        assert deepspeed_groups._get_model_parallel_world_size() == 2
+        assert deepspeed_groups._get_broadcast_src_rank() == rank % 2
+    finally:
+        deepspeed_groups.mpu = None
+
+
+def test_groups_form_a_dp_by_tp_grid_that_deepspeed_reads():
+    _spawn(4, _check_groups_layout)
+
+
+def _check_vocab_parallel_cross_entropy() -> None:
+    groups = init_parallel_groups(dist.get_world_size())
+    generator = torch.Generator().manual_seed(5)
+    hidden = torch.randn(23, 8, dtype=torch.float64, generator=generator, requires_grad=True)
+    weight = torch.randn(12, 8, dtype=torch.float64, generator=generator, requires_grad=True)
+    labels = torch.randint(0, 12, (23,), generator=generator)
+    labels[[0, 7]] = -100
+    expected = chunked_cross_entropy(hidden, weight, labels, chunk_size=5)
+    expected.backward()
+    rows = 12 // groups.tp_size
+    start = groups.tp_rank * rows
+    local_hidden = hidden.detach().clone().requires_grad_()
+    local_weight = weight.detach()[start:start + rows].clone().requires_grad_()
+    got = vocab_parallel_cross_entropy(local_hidden, local_weight, labels, start, groups.tp_group, chunk_size=5)
+    got.backward()
+    assert relative_error(got, expected) <= 1e-12
+    assert relative_error(local_hidden.grad, hidden.grad) <= 1e-12
+    assert relative_error(local_weight.grad, weight.grad[start:start + rows]) <= 1e-12
+
+
+def test_vocab_parallel_cross_entropy_matches_chunked_cross_entropy():
+    _spawn(3, _check_vocab_parallel_cross_entropy)
+
+
+@pytest.mark.parametrize(
+    "overrides, tp, message",
+    [
+        (dict(), 4, "model.layers.0.linear_attn: linear_num_key_heads = 2 does not divide by tp = 4"),
+        (dict(linear_num_key_heads=3, linear_num_value_heads=6, num_attention_heads=6, num_key_value_heads=3), 2,
+         "model.layers.0.linear_attn: linear_num_key_heads = 3 does not divide by tp = 2"),
+        (dict(linear_num_key_heads=4, linear_num_value_heads=4, num_attention_heads=6, num_key_value_heads=2), 4,
+         "model.layers.1.self_attn: num_attention_heads = 6 does not divide by tp = 4"),
+        (dict(linear_num_key_heads=4, linear_num_value_heads=4, num_attention_heads=12, num_key_value_heads=3), 4,
+         "model.layers.1.self_attn: num_key_value_heads = 3 and tp = 4"),
+        (dict(intermediate_size=100, linear_num_key_heads=8, linear_num_value_heads=8, num_attention_heads=8,
+              num_key_value_heads=2), 8, "model.layers.0.mlp: intermediate_size = 100 does not divide by tp = 8"),
+        (dict(vocab_size=511), 2, "model.embed_tokens / lm_head: vocab_size = 511 does not divide by tp = 2"),
+    ],
+)
+def test_plan_names_the_layer_and_counts_that_do_not_split(overrides, tp, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        plan_tensor_parallel(_tiny_config(**overrides), tp, 0)
+
+
+def test_plan_accepts_kv_heads_that_divide_tp():
+    config = _tiny_config(linear_num_key_heads=6, linear_num_value_heads=6, num_attention_heads=6,
+                          num_key_value_heads=3, intermediate_size=120, vocab_size=516)
+    plan = plan_tensor_parallel(config, 6, 5)
+    assert plan.local_heads["model.layers.1.self_attn"] == {"num_heads": 1, "num_kv_heads": 1}
+    kv_shard = plan.shards["model.layers.1.self_attn.k_proj.weight"]
+    assert (kv_shard.copies, kv_shard.first_copy, kv_shard.pieces) == (2, False, ((64, 96),))
+
+
+def test_shards_of_every_rank_tile_each_parameter_exactly_once():
+    """Unique shards partition the full tensor; replicated KV slices are counted once in the norm."""
+    config = QwenHybridConfig.named("9B")
+    tp = 8
+    plans = [plan_tensor_parallel(config, tp, r) for r in range(tp)]
+    for name, shard in plans[0].shards.items():
+        covered = torch.zeros(shard.full_size, dtype=torch.long)
+        first_copies = torch.zeros(shard.full_size, dtype=torch.long)
+        for plan in plans:
+            rank_shard = plan.shards[name]
+            for start, end in rank_shard.pieces:
+                covered[start:end] += 1
+                first_copies[start:end] += int(rank_shard.first_copy)
+        assert torch.all(covered == shard.copies), name
+        assert torch.all(first_copies == 1), name
+    assert plans[0].local_heads["model.layers.0.linear_attn"] == {"num_k_heads": 2, "num_v_heads": 4}
+    assert plans[0].local_heads["model.layers.3.self_attn"] == {"num_heads": 2, "num_kv_heads": 1}
