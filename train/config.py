@@ -1,0 +1,173 @@
+"""Checks of the composed Hydra config (every bad value fails at start, naming its key) and the
+DeepSpeed config derived from it."""
+from __future__ import annotations
+
+from numbers import Real
+from pathlib import Path
+
+from omegaconf import DictConfig, ListConfig
+
+from qwen_hybrid.config import GDN_BACKENDS, NAMED_SIZES
+
+PRECISIONS = ("bf16", "fp32")
+LOGGER_MODES = ("online", "offline", "disabled")
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+class ConfigError(ValueError):
+    """A config value that cannot run; the message starts with the key."""
+
+
+def _integer(key: str, value, minimum: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or (minimum is not None and value < minimum):
+        expected = "an integer" + (f" >= {minimum}" if minimum is not None else "")
+        raise ConfigError(f"{key}={value!r}: expected {expected}")
+
+
+def _number(key: str, value, minimum: float | None = None, maximum: float | None = None) -> None:
+    ok = isinstance(value, Real) and not isinstance(value, bool)
+    ok = ok and (minimum is None or value >= minimum) and (maximum is None or value <= maximum)
+    if not ok:
+        bounds = " ".join(
+            part for part in (f">= {minimum}" if minimum is not None else "", f"<= {maximum}" if maximum is not None else "")
+            if part
+        )
+        raise ConfigError(f"{key}={value!r}: expected a number {bounds}".rstrip())
+
+
+def _boolean(key: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key}={value!r}: expected true or false")
+
+
+def _choice(key: str, value, choices) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key}={value!r}: expected one of {list(choices)}")
+
+
+def validate_config(cfg: DictConfig) -> None:
+    """Raise ConfigError for the first value that cannot run."""
+    model, train, ds = cfg.model, cfg.train, cfg.deepspeed
+
+    _choice("model.name", model.name, NAMED_SIZES)
+    _choice("model.gdn_backend", model.gdn_backend, GDN_BACKENDS)
+    if model.vocab_size is not None:
+        _integer("model.vocab_size", model.vocab_size, 1)
+    if model.init_from is not None and not (Path(str(model.init_from)) / "config.json").is_file():
+        raise ConfigError(f"model.init_from={model.init_from!r}: expected an HF checkpoint directory with config.json")
+
+    if cfg.data.path is None:
+        _integer("data.embedded_documents", cfg.data.embedded_documents, 1)
+    elif not Path(str(cfg.data.path)).is_dir():
+        raise ConfigError(f"data.path={cfg.data.path!r}: expected a dataset directory from train.prepare_data")
+
+    _integer("train.steps", train.steps, 1)
+    _integer("train.tokens_per_micro_batch", train.tokens_per_micro_batch, 2)
+    _integer("train.seq_len", train.seq_len, 1)
+    if train.seq_len > train.tokens_per_micro_batch:
+        raise ConfigError(
+            f"train.seq_len={train.seq_len}: expected <= train.tokens_per_micro_batch={train.tokens_per_micro_batch} "
+            "(a document piece cannot be longer than the micro-batch it is packed in)"
+        )
+    _integer("train.gradient_accumulation", train.gradient_accumulation, 1)
+    _number("train.lr", train.lr, 0.0)
+    _number("train.min_lr_ratio", train.min_lr_ratio, 0.0, 1.0)
+    _integer("train.warmup_steps", train.warmup_steps, 0)
+    if train.warmup_steps > train.steps:
+        raise ConfigError(f"train.warmup_steps={train.warmup_steps}: expected <= train.steps={train.steps}")
+    _number("train.weight_decay", train.weight_decay, 0.0)
+    if not isinstance(train.betas, ListConfig) or len(train.betas) != 2:
+        raise ConfigError(f"train.betas={train.betas!r}: expected a list of two numbers in [0, 1)")
+    for i, beta in enumerate(train.betas):
+        _number(f"train.betas[{i}]", beta, 0.0, 0.999999)
+    if train.grad_clip is not None:
+        _number("train.grad_clip", train.grad_clip, 0.0)
+    _integer("train.seed", train.seed, 0)
+    _choice("train.precision", train.precision, PRECISIONS)
+    _boolean("train.activation_checkpointing", train.activation_checkpointing)
+    _integer("train.loss_chunk_size", train.loss_chunk_size, 1)
+    _integer("train.checkpoint_every", train.checkpoint_every, 0)
+    _integer("train.keep_checkpoints", train.keep_checkpoints, 1)
+    if train.stop_at_step is not None:
+        _integer("train.stop_at_step", train.stop_at_step, 1)
+    _boolean("train.export_hf", train.export_hf)
+    if train.resume is not None and train.resume != "auto":
+        resume_path = Path(str(train.resume))
+        if not resume_path.is_dir():
+            raise ConfigError(f"train.resume={train.resume!r}: expected 'auto', a run directory or a checkpoint directory")
+    if train.resume == "auto" and cfg.run_dir is None:
+        raise ConfigError("train.resume='auto' needs run_dir=PATH: it resumes that directory's latest checkpoint if any")
+
+    _choice("deepspeed.zero_stage", ds.zero_stage, ZERO_STAGES)
+    _boolean("deepspeed.offload_optimizer", ds.offload_optimizer)
+    _boolean("deepspeed.offload_param", ds.offload_param)
+    if ds.offload_optimizer and ds.zero_stage == 0:
+        raise ConfigError("deepspeed.offload_optimizer=true: expected deepspeed.zero_stage >= 1")
+    if ds.offload_param and ds.zero_stage != 3:
+        raise ConfigError(f"deepspeed.offload_param=true: expected deepspeed.zero_stage=3, got {ds.zero_stage}")
+    if not isinstance(ds.overrides, DictConfig):
+        raise ConfigError(f"deepspeed.overrides={ds.overrides!r}: expected a mapping of DeepSpeed config keys")
+
+    _choice("logger.mode", cfg.logger.mode, LOGGER_MODES)
+
+    _integer("parallel.tp", cfg.parallel.tp, 1)
+    if cfg.parallel.tp > 1:
+        raise ConfigError(
+            f"parallel.tp={cfg.parallel.tp}: tensor parallelism is not available yet in this trainer; use parallel.tp=1"
+        )
+
+    bench = cfg.benchmark
+    _boolean("benchmark.kernel_timing", bench.kernel_timing)
+    _integer("benchmark.warmup_steps", bench.warmup_steps, 0)
+    if not isinstance(bench.compare_backends, ListConfig):
+        raise ConfigError(f"benchmark.compare_backends={bench.compare_backends!r}: expected a list such as [tilelang,fla]")
+    if bench.compare_backends:
+        if len(bench.compare_backends) < 2 or len(set(bench.compare_backends)) != len(bench.compare_backends):
+            raise ConfigError(
+                f"benchmark.compare_backends={list(bench.compare_backends)}: expected two or more different backends"
+            )
+        for i, backend in enumerate(bench.compare_backends):
+            _choice(f"benchmark.compare_backends[{i}]", backend, GDN_BACKENDS)
+
+
+def deepspeed_config(cfg: DictConfig, on_cuda: bool) -> dict:
+    """The DeepSpeed config dict: one packed row per micro-batch; our own optimizer and schedule
+    unless the optimizer is offloaded (then DeepSpeed's CPU Adam)."""
+    train, ds = cfg.train, cfg.deepspeed
+    zero: dict = {"stage": ds.zero_stage}
+    if ds.zero_stage > 0:
+        zero.update(overlap_comm=on_cuda, contiguous_gradients=True)
+    if ds.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": on_cuda}
+    if ds.offload_param:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": on_cuda}
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": train.gradient_accumulation,
+        "gradient_clipping": float(train.grad_clip or 0.0),
+        "bf16": {"enabled": train.precision == "bf16"},
+        "zero_optimization": zero,
+        "steps_per_print": 2**31 - 1,  # our own logging replaces DeepSpeed's
+        "wall_clock_breakdown": False,
+    }
+    if ds.offload_optimizer:
+        config["optimizer"] = {
+            "type": "AdamW",
+            "params": {"lr": train.lr, "betas": list(train.betas), "weight_decay": train.weight_decay},
+        }
+    _merge(config, dict_from(ds.overrides))
+    return config
+
+
+def dict_from(node) -> dict:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(node, resolve=True)
+
+
+def _merge(base: dict, extra: dict) -> None:
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            _merge(base[key], value)
+        else:
+            base[key] = value

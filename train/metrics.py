@@ -1,0 +1,218 @@
+"""Per-step metrics: `metrics.jsonl` in the run directory and W&B (rank 0 only), per-kernel times
+from module hooks, and the step-by-step backend comparison."""
+from __future__ import annotations
+
+import json
+import resource
+import secrets
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from qwen_hybrid.layers import AttentionCore, GatedDeltaRule
+
+METRICS_FILE = "metrics.jsonl"
+WANDB_ID_FILE = "wandb_run_id.txt"
+# The modules timed, by the name their times are logged under.
+TIMED_MODULES = {"gdn": GatedDeltaRule, "attention": AttentionCore}
+KERNEL_TIME_KEYS = tuple(f"time/{group}_{phase}_s" for group in TIMED_MODULES for phase in ("fwd", "bwd", "recompute"))
+
+
+class KernelTimer:
+    """Times every GatedDeltaRule and AttentionCore call with forward/backward hooks.
+
+    CUDA events on GPU (read after the step's synchronize), perf_counter on CPU. Forwards that
+    run while `phase == "bwd"` are activation-checkpoint recomputation and are logged apart.
+    The hooks cost a little (full backward hooks add autograd nodes), so timing is switchable.
+    """
+
+    def __init__(self, model: nn.Module, device: torch.device):
+        self.use_cuda_events = device.type == "cuda"
+        self.phase = "fwd"
+        self._starts: dict[tuple[int, str], object] = {}
+        self._spans: list[tuple[str, object, object]] = []
+        self._handles = []
+        for module in model.modules():
+            group = next((name for name, cls in TIMED_MODULES.items() if isinstance(module, cls)), None)
+            if group is None:
+                continue
+            self._handles += [
+                module.register_forward_pre_hook(self._start_hook("fwd")),
+                module.register_forward_hook(self._end_hook(group, "fwd")),
+                module.register_full_backward_pre_hook(self._start_hook("bwd")),
+                module.register_full_backward_hook(self._end_hook(group, "bwd")),
+            ]
+        if not self._handles:
+            raise ValueError("KernelTimer found no GatedDeltaRule or AttentionCore module in the model")
+
+    def _mark(self):
+        if self.use_cuda_events:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def _start_hook(self, direction: str):
+        def hook(module, *_):
+            self._starts[(id(module), direction)] = self._mark()
+
+        return hook
+
+    def _end_hook(self, group: str, direction: str):
+        def hook(module, *_):
+            start = self._starts.pop((id(module), direction), None)
+            if start is None:
+                return
+            phase = "recompute" if direction == "fwd" and self.phase == "bwd" else direction
+            self._spans.append((f"time/{group}_{phase}_s", start, self._mark()))
+
+        return hook
+
+    def collect(self) -> dict[str, float]:
+        """Seconds per kernel bucket since the last collect; call after the device is synchronized."""
+        totals = dict.fromkeys(KERNEL_TIME_KEYS, 0.0)
+        for key, start, end in self._spans:
+            totals[key] += start.elapsed_time(end) / 1000.0 if self.use_cuda_events else end - start
+        self._spans.clear()
+        self._starts.clear()
+        return totals
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak allocated CUDA memory since the last reset, or the process's peak RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is KiB on Linux
+
+
+class BackendComparison:
+    """Alternates GDN backends step by step and compares the steps of each full cycle.
+
+    Step s (1-based) runs backends[(s - 1) % len(backends)]; once a cycle completes, each backend's
+    step time and kernel times are divided by the first backend's (so >1 means slower than it).
+    """
+
+    def __init__(self, backends: list[str], warmup_steps: int):
+        self.backends = list(backends)
+        self.warmup_steps = warmup_steps
+        self._cycle: dict[str, dict[str, float]] = {}
+        self.history: dict[str, list[dict[str, float]]] = {name: [] for name in self.backends}
+
+    def backend_for_step(self, step: int) -> str:
+        return self.backends[(step - 1) % len(self.backends)]
+
+    def record(self, step: int, times: dict[str, float]) -> dict[str, float]:
+        """Store this step's times; returns the ratio metrics when `step` closes a cycle."""
+        backend = self.backend_for_step(step)
+        self._cycle[backend] = times
+        if step > self.warmup_steps:
+            self.history[backend].append(times)
+        if backend != self.backends[-1] or len(self._cycle) != len(self.backends):
+            return {}
+        cycle, self._cycle = self._cycle, {}
+        return self._ratios(cycle, prefix="compare")
+
+    def _ratios(self, times_by_backend: dict[str, dict[str, float]], prefix: str) -> dict[str, float]:
+        base_name = self.backends[0]
+        base = times_by_backend[base_name]
+        ratios = {}
+        for name in self.backends[1:]:
+            for key, value in times_by_backend[name].items():
+                if base.get(key, 0.0) > 0.0:
+                    metric = key.removeprefix("time/").removesuffix("_s")
+                    ratios[f"{prefix}/{name}_over_{base_name}/{metric}"] = value / base[key]
+        return ratios
+
+    def summary(self) -> tuple[list[str], list[list]]:
+        """Median seconds per backend after warmup and each backend's ratio to the first:
+        (columns, rows) for a table, one row per timed quantity."""
+        if any(not runs for runs in self.history.values()):
+            return [], []
+        keys = list(self.history[self.backends[0]][0])
+        medians = {
+            name: {key: statistics.median(run[key] for run in runs) for key in keys}
+            for name, runs in self.history.items()
+        }
+        columns = ["quantity"] + [f"{name}_s" for name in self.backends]
+        columns += [f"{name}_over_{self.backends[0]}" for name in self.backends[1:]]
+        rows = []
+        for key in keys:
+            row = [key.removeprefix("time/").removesuffix("_s")] + [medians[name][key] for name in self.backends]
+            base = medians[self.backends[0]][key]
+            row += [medians[name][key] / base if base > 0 else None for name in self.backends[1:]]
+            rows.append(row)
+        return columns, rows
+
+
+class MetricsLog:
+    """One JSON object per step in run_dir/metrics.jsonl, mirrored to W&B. Only rank 0 makes one."""
+
+    def __init__(self, run_dir: Path, logger_cfg: dict, run_config: dict, resumed_step: int | None):
+        self.path = run_dir / METRICS_FILE
+        if resumed_step is not None and self.path.exists():
+            # steps after the checkpoint were logged by the interrupted run and are redone now
+            kept = [line for line in self.path.read_text().splitlines() if json.loads(line)["step"] <= resumed_step]
+            self.path.write_text("".join(line + "\n" for line in kept))
+        self._file = open(self.path, "a")
+        self.wandb_run = None
+        if logger_cfg["mode"] != "disabled":
+            self.wandb_run = _start_wandb(run_dir, logger_cfg, run_config)
+
+    def log(self, record: dict) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self.wandb_run is not None:
+            self.wandb_run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+
+    def log_comparison(self, comparison: BackendComparison, step: int) -> None:
+        columns, rows = comparison.summary()
+        if not rows:
+            return
+        self._file.write(json.dumps({"step": step, "comparison_summary": {"columns": columns, "rows": rows}}) + "\n")
+        self._file.flush()
+        if self.wandb_run is not None:
+            import wandb
+
+            table = wandb.Table(columns=columns, data=rows)
+            ratio_column = columns[-1]
+            self.wandb_run.log(
+                {
+                    "compare/summary": table,
+                    "compare/summary_ratio": wandb.plot.bar(
+                        table, "quantity", ratio_column, title=f"median {ratio_column} per quantity"
+                    ),
+                },
+                step=step,
+            )
+
+    def close(self) -> None:
+        self._file.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+
+
+def _start_wandb(run_dir: Path, logger_cfg: dict, run_config: dict):
+    import wandb
+
+    id_file = run_dir / WANDB_ID_FILE
+    run_id = id_file.read_text().strip() if id_file.exists() else secrets.token_hex(4)
+    id_file.write_text(run_id + "\n")
+    return wandb.init(
+        project=logger_cfg["project"],
+        entity=logger_cfg["entity"],
+        name=logger_cfg["name"] or run_dir.name,
+        tags=list(logger_cfg["tags"]),
+        mode=logger_cfg["mode"],
+        dir=str(run_dir),
+        id=run_id,
+        resume="allow",
+        config=run_config,
+        settings=wandb.Settings(console="off", silent=True),
+    )
