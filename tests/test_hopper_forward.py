@@ -152,3 +152,18 @@ def test_rejects_other_head_dims():
     with pytest.raises(ValueError, match="K = V = 128"):
         hopper.forward(inputs["q"][..., :64], inputs["k"][..., :64], inputs["v"], inputs["g"], inputs["beta"],
                        None, None, False, inputs["cu_seqlens"])
+
+
+@pytest.mark.parametrize("lengths", [[32768], [28672, 4096], [8192] * 4], ids=["1x32768", "28672+4096", "8192x4"])
+def test_split_sequences_exact_and_truncated(lengths):
+    """Pieces of split sequences (2/8 heads: few CTAs) rebuild their entering state by a warm-up walk;
+    exact (-inf) and truncated (-10) histories both match the reference, including a head with no decay."""
+    inputs = make_inputs(lengths, 2, 8, with_initial_state=True, seed=21)
+    ref_o, ref_state = float64_reference(inputs)
+    for threshold in (float("-inf"), -10.0):
+        poison_allocator()
+        o, final_state = hopper.forward(inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"], None,
+                                        inputs["initial_state"], True, inputs["cu_seqlens"],
+                                        log_decay_threshold=threshold)
+        assert relative_error(o, ref_o) <= TOLERANCE, threshold
+        assert relative_error(final_state, ref_state) <= TOLERANCE, threshold

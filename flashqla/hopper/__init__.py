@@ -7,13 +7,17 @@ chunk), fused_forward.py (o and final state), chunk_states.py (state-only X/Y re
 
 import torch
 
-from flashqla.hopper.chunk_plan import chunk_indices, chunk_offsets, device_sm_count, flat_cu_seqlens, value_block_size
+from flashqla.hopper.chunk_plan import (
+    chunk_indices, chunk_offsets, device_sm_count, flat_cu_seqlens, plan_pieces, value_block_size, walk_starts,
+)
 from flashqla.hopper.cumsum import chunk_local_cumsum
-from flashqla.hopper.fused_forward import fused_forward
+from flashqla.hopper.fused_forward import MAX_VALUE_BLOCK, fused_forward
 from flashqla.hopper.inverse import gate_free_inverse
 
 SUPPORTED_HEAD_DIM = 128
 SUPPORTED_INPUT_DTYPES = (torch.bfloat16, torch.float16)
+# Truncated history costs at most exp(-10) ~ 5e-5 relative error in a split piece's entering state.
+DEFAULT_LOG_DECAY_THRESHOLD = -10.0
 
 
 def check_supported(q: torch.Tensor, v: torch.Tensor) -> None:
@@ -25,8 +29,13 @@ def check_supported(q: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"backend='tilelang' needs q, k, v all bfloat16 or all float16, got q {q.dtype}, v {v.dtype}")
 
 
-def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
-    """(o, final_state or None) for q, k [B, T, Hqk, 128], v [B, T, Hv, 128], g, beta [B, T, Hv]."""
+def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+            log_decay_threshold: float = DEFAULT_LOG_DECAY_THRESHOLD):
+    """(o, final_state or None) for q, k [B, T, Hqk, 128], v [B, T, Hv, 128], g, beta [B, T, Hv].
+
+    log_decay_threshold: how far a piece of a split sequence may truncate the history it rebuilds
+    its entering state from (chunk_plan.walk_starts); -inf never truncates.
+    """
     check_supported(q, v)
     batch_size, seq_len, num_qk_heads, head_dim = q.shape
     num_v_heads = v.shape[2]
@@ -49,12 +58,20 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
     chunk_index = chunk_indices(cu_seqlens)
     offsets = chunk_offsets(cu_seqlens)
     gamma = chunk_local_cumsum(g.reshape(1, num_tokens, num_v_heads), cu_seqlens, chunk_index=chunk_index)
+    gamma = gamma.view(num_tokens, num_v_heads)
     inverse = gate_free_inverse(k_flat.unsqueeze(0), beta_flat.unsqueeze(0), cu_seqlens, chunk_index=chunk_index)
 
-    busy_sequences = max(int((cu_seqlens[1:] > cu_seqlens[:-1]).sum().item()), 1)
-    value_block = value_block_size(busy_sequences, num_v_heads, head_dim, device_sm_count(q.device))
+    sm_count = device_sm_count(q.device)
+    value_block = MAX_VALUE_BLOCK
+    pieces = plan_pieces(cu_seqlens, num_v_heads, head_dim // value_block, sm_count)
+    if pieces.shape[0] * num_v_heads * (head_dim // value_block) < sm_count // 2:
+        # Sequences too short to split further: split V instead.
+        value_block = value_block_size(pieces.shape[0], num_v_heads, head_dim, sm_count, MAX_VALUE_BLOCK)
+        pieces = plan_pieces(cu_seqlens, num_v_heads, head_dim // value_block, sm_count)
+    walk = walk_starts(pieces, cu_seqlens, gamma, log_decay_threshold)
     h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
     o, final_state, _ = fused_forward(
-        q_flat, k_flat, v_flat, gamma.view(num_tokens, num_v_heads), beta_flat, inverse.view(num_tokens, num_v_heads, -1),
-        scale, h0, cu_seqlens, value_block, output_final_state=output_final_state, offsets=offsets)
-    return o.view(batch_size, seq_len, num_v_heads, head_dim), final_state
+        q_flat, k_flat, v_flat, gamma, beta_flat, inverse.view(num_tokens, num_v_heads, -1), scale, h0,
+        cu_seqlens, value_block, pieces, walk, offsets=offsets)
+    o = o.view(batch_size, seq_len, num_v_heads, head_dim)
+    return o, (final_state if output_final_state else None)

@@ -11,6 +11,7 @@ import functools
 
 import tilelang
 import tilelang.language as T
+import torch
 
 from flashqla.hopper.chunk_plan import CHUNK_SIZE
 from flashqla.hopper.cumsum import HOPPER_TARGET
@@ -110,8 +111,10 @@ def fused_backward_program(num_v_heads: int, num_qk_heads: int, value_block: int
             dk = T.alloc_fragment((_C, K), f32)
             ck = T.alloc_fragment((_C, K), f32)
             kv = T.alloc_fragment((K, BV), f32)
+            g_lower = T.alloc_fragment((_C, _C), f32)
+            gam_row = T.alloc_fragment((_C,), f32)
             row = T.alloc_fragment((_C,), f32)  # row sums of C x C fragments
-            row2 = T.alloc_fragment((_C,), f32)
+            col_sum = T.alloc_fragment((_C,), f32)
             row_v = T.alloc_fragment((_C,), f32)  # row sums of C x BV fragments
             row_d = T.alloc_fragment((_C,), f32)  # row sums of C x K fragments
             row_k = T.alloc_fragment((K,), f32)
@@ -140,10 +143,10 @@ def fused_backward_program(num_v_heads: int, num_qk_heads: int, value_block: int
 
                 # gamma = cumsum(g); padded rows keep the last real gamma (g reads 0 there).
                 for t, s in T.Parallel(_C, _C):
-                    cc[t, s] = T.if_then_else(s <= t, g_s[s], 0.0)
-                T.reduce_sum(cc, row, dim=1, clear=True)
+                    g_lower[t, s] = T.if_then_else(s <= t, g_s[s], 0.0)
+                T.reduce_sum(g_lower, gam_row, dim=1, clear=True)
                 for t in T.Parallel(_C):
-                    gam_s[t] = row[t]
+                    gam_s[t] = gam_row[t]
                 for t in T.Parallel(_C):
                     dec_s[t] = T.exp(gam_s[t])
                     rdec_s[t] = T.exp(gam_s[_C - 1] - gam_s[t])
@@ -200,9 +203,9 @@ def fused_backward_program(num_v_heads: int, num_qk_heads: int, value_block: int
                     cc_s[t, s] = dab[t, s] * ag[t, s]
                 for t, s in T.Parallel(_C, _C):
                     cc2[t, s] = cc_s[s, t]
-                T.reduce_sum(cc2, row, dim=1, clear=True)
+                T.reduce_sum(cc2, col_sum, dim=1, clear=True)
                 for t in T.Parallel(_C):
-                    dbeta_s[t] = row[t]
+                    dbeta_s[t] = col_sum[t]
                 for t, s in T.Parallel(_C, _C):
                     dab[t, s] = dab[t, s] * b_s[s]
                 for t, s in T.Parallel(_C, _C):
@@ -217,9 +220,11 @@ def fused_backward_program(num_v_heads: int, num_qk_heads: int, value_block: int
                     cc_s[t, s] = cc[t, s]
                 for t, s in T.Parallel(_C, _C):
                     cc2[t, s] = cc_s[s, t]
-                T.reduce_sum(cc2, row2, dim=1, clear=True)
                 for t in T.Parallel(_C):
-                    dgam_s[t] = dgam_s[t] + row[t] - row2[t]
+                    dgam_s[t] = dgam_s[t] + row[t]
+                T.reduce_sum(cc2, col_sum, dim=1, clear=True)
+                for t in T.Parallel(_C):
+                    dgam_s[t] = dgam_s[t] - col_sum[t]
                 for t, s in T.Parallel(_C, _C):
                     dpm_s[t, s] = T.cast(scale * dpr[t, s] * gm[t, s], op)
 
@@ -301,3 +306,28 @@ def fused_backward_program(num_v_heads: int, num_qk_heads: int, value_block: int
 @functools.lru_cache(maxsize=None)
 def compile_fused_backward(num_v_heads: int, num_qk_heads: int, value_block: int = 64):
     return tilelang.compile(fused_backward_program(num_v_heads, num_qk_heads, value_block), target=HOPPER_TARGET)
+
+
+def fused_backward(q, k, v, g, beta, inverse, chunk_states, do, dht, scale, cu_seqlens, offsets, value_block):
+    """Run the kernel on flattened inputs; returns per-V-block shares (dq, dk, dg, dbeta), dv, dh0.
+
+    q, k: [T, Hqk, 128] bf16; v, do: [T, Hv, 128] bf16; g, beta: [T, Hv] fp32; inverse: [T, Hv, 64] bf16;
+    chunk_states: [num_chunks, Hv, 128, 128] bf16 (row offsets[n] + c is chunk c of sequence n);
+    dht: [N, Hv, 128, 128] fp32; cu_seqlens, offsets: int32 [N + 1].
+    Shares are float32 [V / value_block, T, Hv, 128] and [V / value_block, T, Hv].
+    """
+    num_tokens, num_qk_heads, head_dim = q.shape
+    num_v_heads = v.shape[1]
+    num_sequences = cu_seqlens.numel() - 1
+    blocks = HEAD_DIM // value_block
+    f32 = dict(dtype=torch.float32, device=q.device)
+    dq_part = torch.empty(blocks, num_tokens, num_v_heads, head_dim, **f32)
+    dk_part = torch.empty(blocks, num_tokens, num_v_heads, head_dim, **f32)
+    dg_part = torch.empty(blocks, num_tokens, num_v_heads, **f32)
+    dbeta_part = torch.empty(blocks, num_tokens, num_v_heads, **f32)
+    dv = torch.empty(num_tokens, num_v_heads, head_dim, dtype=torch.bfloat16, device=q.device)
+    dh0 = torch.empty(num_sequences, num_v_heads, head_dim, head_dim, **f32)
+    kernel = compile_fused_backward(num_v_heads, num_qk_heads, value_block)
+    kernel(q, k, v, g, beta, inverse, chunk_states, do, dht, cu_seqlens, offsets,
+           dq_part, dk_part, dv, dg_part, dbeta_part, dh0, float(scale))
+    return dq_part, dk_part, dv, dg_part, dbeta_part, dh0

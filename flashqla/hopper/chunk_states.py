@@ -22,7 +22,7 @@ _LOG2E = 1.4426950408889634
 _PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
 
 
-def chunk_states_program(num_v_heads: int, num_qk_heads: int, value_block: int, dtype: str = "bfloat16",
+def chunk_states_program(value_block: int, dtype: str = "bfloat16",
                          beta_dtype: str = "float32", head_dim: int = 128, use_initial_state: bool = True,
                          store_chunk_states: bool = True, states_dtype: str = "bfloat16",
                          with_transition: bool = False, threads: int = 128, num_stages: int = 2):
@@ -30,7 +30,8 @@ def chunk_states_program(num_v_heads: int, num_qk_heads: int, value_block: int, 
     num_tokens = T.dynamic("num_tokens")
     num_sequences = T.dynamic("num_sequences")
     num_chunks = T.dynamic("num_chunks")
-    group = num_v_heads // num_qk_heads
+    num_v_heads = T.dynamic("num_v_heads")
+    num_qk_heads = T.dynamic("num_qk_heads")
     K = head_dim
     V = head_dim
     BV = value_block
@@ -52,7 +53,7 @@ def chunk_states_program(num_v_heads: int, num_qk_heads: int, value_block: int, 
         chunk_states: T.Tensor((num_chunks, num_v_heads, K, V), states_dtype),
     ):
         with T.Kernel(grid_blocks, num_v_heads, num_sequences, threads=threads) as (block, head, sequence):
-            qk_head = head // group
+            qk_head = head // (num_v_heads // num_qk_heads)
             is_transition = block >= value_blocks
             col0 = T.if_then_else(is_transition, (block - value_blocks) * BV, block * BV)
             v0 = T.if_then_else(is_transition, 0, block * BV)
@@ -118,13 +119,13 @@ def chunk_states_program(num_v_heads: int, num_qk_heads: int, value_block: int, 
 
 
 @functools.lru_cache(maxsize=None)
-def compile_chunk_states(num_v_heads: int, num_qk_heads: int, value_block: int, dtype: str = "bfloat16",
+def compile_chunk_states(value_block: int, dtype: str = "bfloat16",
                          beta_dtype: str = "float32", head_dim: int = 128, use_initial_state: bool = True,
                          store_chunk_states: bool = True, states_dtype: str = "bfloat16",
                          with_transition: bool = False):
     # A 128-wide state block needs two warpgroups to stay in registers.
     threads = 128 if value_block <= 64 else 256
-    program = chunk_states_program(num_v_heads, num_qk_heads, value_block, dtype, beta_dtype, head_dim,
+    program = chunk_states_program(value_block, dtype, beta_dtype, head_dim,
                                    use_initial_state, store_chunk_states, states_dtype, with_transition,
                                    threads=threads)
     return tilelang.compile(program, target=HOPPER_TARGET, pass_configs=_PASS_CONFIGS)
@@ -159,7 +160,7 @@ def chunk_states(k: torch.Tensor, v: torch.Tensor, gamma: torch.Tensor, beta: to
                              dtype=torch.float32, device=device)
     states = torch.empty((max(total_chunks, 1) if store_chunk_states else 1), num_v_heads, head_dim, head_dim,
                          dtype=states_dtype, device=device)
-    kernel = compile_chunk_states(num_v_heads, num_qk_heads, value_block, _dtype_name(k), _dtype_name(beta),
+    kernel = compile_chunk_states(value_block, _dtype_name(k), _dtype_name(beta),
                                   head_dim, use_initial_state, store_chunk_states, _dtype_name(states),
                                   with_transition)
     kernel(k, v, gamma, beta, inverse, initial_state.contiguous(), cu_seqlens, offsets, final_state, transition,

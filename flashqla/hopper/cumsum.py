@@ -12,12 +12,12 @@ HOPPER_TARGET = {"kind": "cuda", "arch": "sm_90a"}
 _THREADS = 128
 
 
-def cumsum_program(num_heads: int, g_dtype: str = "float32", chunk_size: int = CHUNK_SIZE):
+def cumsum_program(g_dtype: str = "float32", chunk_size: int = CHUNK_SIZE):
     """One CTA per chunk; one thread per head walks the chunk's tokens in order."""
     num_tokens = T.dynamic("num_tokens")
     num_sequences = T.dynamic("num_sequences")
     num_chunks = T.dynamic("num_chunks")
-    head_rounds = (num_heads + _THREADS - 1) // _THREADS
+    num_heads = T.dynamic("num_heads")
 
     @T.prim_func
     def chunk_local_cumsum_kernel(
@@ -32,7 +32,7 @@ def cumsum_program(num_heads: int, g_dtype: str = "float32", chunk_size: int = C
             start = cu_seqlens[sequence] + chunk_index[chunk, 1] * chunk_size
             length = T.min(cu_seqlens[sequence + 1] - start, chunk_size)
             running = T.alloc_var("float32")
-            for head_round in T.serial(head_rounds):
+            for head_round in T.serial(T.ceildiv(num_heads, _THREADS)):
                 head = head_round * _THREADS + tx
                 if head < num_heads:
                     running = 0.0
@@ -44,8 +44,8 @@ def cumsum_program(num_heads: int, g_dtype: str = "float32", chunk_size: int = C
 
 
 @functools.lru_cache(maxsize=None)
-def compile_cumsum(num_heads: int, g_dtype: str = "float32", chunk_size: int = CHUNK_SIZE):
-    return tilelang.compile(cumsum_program(num_heads, g_dtype, chunk_size), target=HOPPER_TARGET)
+def compile_cumsum(g_dtype: str = "float32", chunk_size: int = CHUNK_SIZE):
+    return tilelang.compile(cumsum_program(g_dtype, chunk_size), target=HOPPER_TARGET)
 
 
 def chunk_local_cumsum(g: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
@@ -63,6 +63,6 @@ def chunk_local_cumsum(g: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
     g_flat = g.reshape(batch_size * seq_len, num_heads).contiguous()
     gamma = torch.empty(g_flat.shape, dtype=torch.float32, device=g.device)
     if chunk_index.shape[0] > 0:
-        kernel = compile_cumsum(num_heads, str(g.dtype).removeprefix("torch."), chunk_size)
+        kernel = compile_cumsum(str(g.dtype).removeprefix("torch."), chunk_size)
         kernel(g_flat, cu_seqlens, chunk_index, gamma)
     return gamma.view(batch_size, seq_len, num_heads)

@@ -1,14 +1,21 @@
 """Fused chunked forward of the gated delta rule: o and the final state (gdn-kernels.md section 2).
 
-One CTA per (sequence, value head, V block) walks its sequence's 64-token chunks in order with
-the fp32 state S (K x BV) held in registers. Per chunk, with gamma the chunk-local cumsum of g:
+One CTA per (piece, value head, V block) walks 64-token chunks in order with the fp32 state S
+(K x BV) in registers. Per chunk, with gamma the chunk-local cumsum of g:
 
     U = K S0;  W = V - D U;  Delta = (Gm * A~ * beta_col) W
     O = scale (D Q S0 + (Gm * tril(Q K^T)) Delta);  S1 = e^{gamma_C} S0 + K^T (E Delta)
 
-Loads of whole 64-row tiles may run past the sequence end (into the next sequence, or zero-filled
-past the tensor): those rows are neutralised by beta = 0 and E = 0 and gamma clamped to the
-sequence's last value, so they never reach valid rows or the state; their o rows are not stored.
+A piece is a run of whole chunks of one sequence (the whole sequence unless it is split for
+intra-card context parallelism). Its CTA starts walking at `walk_start` (a chunk boundary at or
+before the piece start, from zero state, or from h0 at the sequence start) and writes o only for
+the piece's own chunks: the warm-up chunks rebuild the entering state (see chunk_plan.py).
+
+Whole 64-row tiles are loaded even past a sequence end (rows of the next sequence, or zeros past
+the tensor); those rows get beta = 0, E = 0 and gamma clamped to the sequence's last value, so they
+never reach valid rows or the state, and their o rows are not stored.
+
+Head counts, lengths and the scale are run-time values: one compiled kernel per (V block, dtype).
 """
 
 import functools
@@ -23,16 +30,22 @@ from flashqla.hopper.cumsum import HOPPER_TARGET
 _C = CHUNK_SIZE
 _LOG2E = 1.4426950408889634
 _PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
+# TileLang's automatic warp specialisation gives the TMA producer as many threads as the consumers,
+# capping every thread at 128 registers: a 128-wide V block spills there, 64 does not (much).
+MAX_VALUE_BLOCK = 64
+# pieces[p] = (sequence, first token, end token, 1 if the piece ends its sequence)
+PIECE_FIELDS = 4
 
 
-def fused_forward_program(num_v_heads: int, num_qk_heads: int, value_block: int, scale: float,
-                          dtype: str = "bfloat16", beta_dtype: str = "float32", head_dim: int = 128,
-                          use_initial_state: bool = True, store_final_state: bool = True,
-                          store_chunk_states: bool = False, threads: int = 256, num_stages: int = 2):
+def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype: str = "float32",
+                          head_dim: int = 128, store_chunk_states: bool = False, threads: int = 256,
+                          num_stages: int = 2):
     num_tokens = T.dynamic("num_tokens")
     num_sequences = T.dynamic("num_sequences")
+    num_pieces = T.dynamic("num_pieces")
     num_chunks = T.dynamic("num_chunks")
-    group = num_v_heads // num_qk_heads
+    num_v_heads = T.dynamic("num_v_heads")
+    num_qk_heads = T.dynamic("num_qk_heads")
     K = head_dim
     V = head_dim
     BV = value_block
@@ -49,16 +62,23 @@ def fused_forward_program(num_v_heads: int, num_qk_heads: int, value_block: int,
         initial_state: T.Tensor((num_sequences, num_v_heads, K, V), "float32"),
         cu_seqlens: T.Tensor((num_sequences + 1,), "int32"),
         chunk_offsets: T.Tensor((num_sequences + 1,), "int32"),
+        pieces: T.Tensor((num_pieces, PIECE_FIELDS), "int32"),
+        walk_start: T.Tensor((num_pieces, num_v_heads), "int32"),
         o: T.Tensor((num_tokens, num_v_heads, V), dtype),
         final_state: T.Tensor((num_sequences, num_v_heads, K, V), "float32"),
         chunk_states: T.Tensor((num_chunks, num_v_heads, K, V), dtype),
+        scale: T.float32,
+        use_initial_state: T.int32,
     ):
-        with T.Kernel(value_blocks, num_v_heads, num_sequences, threads=threads) as (vb, head, sequence):
-            qk_head = head // group
+        with T.Kernel(value_blocks, num_v_heads, num_pieces, threads=threads) as (vb, head, piece):
+            qk_head = head // (num_v_heads // num_qk_heads)
             v0 = vb * BV
-            start = cu_seqlens[sequence]
-            end = cu_seqlens[sequence + 1]
-            n_chunks = T.ceildiv(end - start, _C)
+            sequence = pieces[piece, 0]
+            piece_start = pieces[piece, 1]
+            end = pieces[piece, 2]
+            ends_sequence = pieces[piece, 3]
+            walk = walk_start[piece, head]
+            n_chunks = T.ceildiv(end - walk, _C)
             first_chunk = chunk_offsets[sequence]
 
             q_shared = T.alloc_shared((_C, K), dtype)
@@ -82,13 +102,13 @@ def fused_forward_program(num_v_heads: int, num_qk_heads: int, value_block: int,
             qk = T.alloc_fragment((_C, _C), "float32")
             gamma_last = T.alloc_var("float32")
 
-            if use_initial_state:
+            if use_initial_state != 0 and walk == cu_seqlens[sequence]:
                 T.copy(initial_state[sequence, head, 0:K, v0:v0 + BV], state)
             else:
                 T.clear(state)
 
             for c in T.Pipelined(n_chunks, num_stages=num_stages):
-                left = start + c * _C
+                left = walk + c * _C
                 T.copy(q[left:left + _C, qk_head, 0:K], q_shared)
                 T.copy(k[left:left + _C, qk_head, 0:K], k_shared)
                 T.copy(v[left:left + _C, head, v0:v0 + BV], v_shared)
@@ -100,7 +120,8 @@ def fused_forward_program(num_v_heads: int, num_qk_heads: int, value_block: int,
 
                 T.copy(state, state_shared)
                 if store_chunk_states:
-                    T.copy(state_shared, chunk_states[first_chunk + c, head, 0:K, v0:v0 + BV])
+                    T.copy(state_shared, chunk_states[first_chunk + (left - cu_seqlens[sequence]) // _C, head,
+                                                      0:K, v0:v0 + BV])
                 T.gemm(k_shared, state_shared, u, clear_accum=True)
                 T.gemm(q_shared, state_shared, out, clear_accum=True)
                 T.gemm(q_shared, k_shared, qk, transpose_B=True, clear_accum=True)
@@ -127,27 +148,25 @@ def fused_forward_program(num_v_heads: int, num_qk_heads: int, value_block: int,
                     state[i, j] = state[i, j] * T.exp2(gamma_last)
                 T.gemm(k_shared, decayed_delta_shared, state, transpose_A=True)
 
-                T.copy(out, o_shared)
-                if left + _C <= end:
-                    T.copy(o_shared, o[left:left + _C, head, v0:v0 + BV])
-                else:
-                    for t, j in T.Parallel(_C, BV):
-                        if t <= last:
-                            o[left + t, head, v0 + j] = o_shared[t, j]
+                if left >= piece_start:
+                    T.copy(out, o_shared)
+                    if left + _C <= end:
+                        T.copy(o_shared, o[left:left + _C, head, v0:v0 + BV])
+                    else:
+                        for t, j in T.Parallel(_C, BV):
+                            if t <= last:
+                                o[left + t, head, v0 + j] = o_shared[t, j]
 
-            if store_final_state:
+            if ends_sequence != 0:
                 T.copy(state, final_state[sequence, head, 0:K, v0:v0 + BV])
 
     return fused_forward_kernel
 
 
 @functools.lru_cache(maxsize=None)
-def compile_fused_forward(num_v_heads: int, num_qk_heads: int, value_block: int, scale: float,
-                          dtype: str = "bfloat16", beta_dtype: str = "float32", head_dim: int = 128,
-                          use_initial_state: bool = True, store_final_state: bool = True,
-                          store_chunk_states: bool = False):
-    program = fused_forward_program(num_v_heads, num_qk_heads, value_block, scale, dtype, beta_dtype, head_dim,
-                                    use_initial_state, store_final_state, store_chunk_states)
+def compile_fused_forward(value_block: int, dtype: str = "bfloat16", beta_dtype: str = "float32",
+                          head_dim: int = 128, store_chunk_states: bool = False):
+    program = fused_forward_program(value_block, dtype, beta_dtype, head_dim, store_chunk_states)
     return tilelang.compile(program, target=HOPPER_TARGET, pass_configs=_PASS_CONFIGS)
 
 
@@ -157,12 +176,14 @@ def _dtype_name(tensor: torch.Tensor) -> str:
 
 def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor,
                   inverse: torch.Tensor, scale: float, initial_state: torch.Tensor | None,
-                  cu_seqlens: torch.Tensor, value_block: int, output_final_state: bool = True,
+                  cu_seqlens: torch.Tensor, value_block: int, pieces: torch.Tensor, walk_start: torch.Tensor,
                   store_chunk_states: bool = False, offsets: torch.Tensor | None = None):
-    """o, final state and (optionally) the bf16 states entering every chunk, on flattened inputs.
+    """(o, final_state, chunk_states or None) on flattened inputs.
 
     q, k: [T, Hqk, K]; v: [T, Hv, V]; gamma (fp32 chunk-local cumsum), beta: [T, Hv];
-    inverse: [T, Hv, 64] bf16; initial_state: [N, Hv, K, V] fp32 or None; cu_seqlens: int32 [N+1].
+    inverse: [T, Hv, 64] bf16; initial_state: [N, Hv, K, V] fp32 or None; cu_seqlens: int32 [N+1];
+    pieces, walk_start: from chunk_plan.plan_pieces / walk_starts. chunk_states (bf16 states entering
+    every chunk) needs one piece per sequence.
     """
     num_tokens, num_qk_heads, head_dim = k.shape
     num_v_heads = v.shape[1]
@@ -172,13 +193,13 @@ def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma: torc
         offsets = chunk_offsets(cu_seqlens)
     use_initial_state = initial_state is not None
     if initial_state is None:
-        initial_state = torch.empty(num_sequences, num_v_heads, head_dim, head_dim, dtype=torch.float32, device=device)
+        initial_state = torch.empty(num_sequences, num_v_heads, head_dim, head_dim, dtype=torch.float32,
+                                    device=device)
     final_state = torch.empty(num_sequences, num_v_heads, head_dim, head_dim, dtype=torch.float32, device=device)
     total_chunks = int(offsets[-1].item()) if store_chunk_states else 1
     states = torch.empty(max(total_chunks, 1), num_v_heads, head_dim, head_dim, dtype=v.dtype, device=device)
     o = torch.empty_like(v)
-    kernel = compile_fused_forward(num_v_heads, num_qk_heads, value_block, float(scale), _dtype_name(v),
-                                   _dtype_name(beta), head_dim, use_initial_state, output_final_state,
-                                   store_chunk_states)
-    kernel(q, k, v, gamma, beta, inverse, initial_state.contiguous(), cu_seqlens, offsets, o, final_state, states)
-    return o, (final_state if output_final_state else None), (states if store_chunk_states else None)
+    kernel = compile_fused_forward(value_block, _dtype_name(v), _dtype_name(beta), head_dim, store_chunk_states)
+    kernel(q, k, v, gamma, beta, inverse, initial_state, cu_seqlens, offsets, pieces, walk_start, o, final_state,
+           states, float(scale), int(use_initial_state))
+    return o, final_state, (states if store_chunk_states else None)

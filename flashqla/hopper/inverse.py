@@ -17,8 +17,7 @@ _THREADS = 128
 _C = CHUNK_SIZE
 
 
-def inverse_program(num_v_heads: int, num_qk_heads: int, head_dim: int = 128, dtype: str = "bfloat16",
-                    beta_dtype: str = "float32"):
+def inverse_program(head_dim: int = 128, dtype: str = "bfloat16", beta_dtype: str = "float32"):
     """One CTA per (chunk, value head).
 
     16x16 diagonal blocks by forward substitution, then the two block merges
@@ -27,7 +26,8 @@ def inverse_program(num_v_heads: int, num_qk_heads: int, head_dim: int = 128, dt
     num_tokens = T.dynamic("num_tokens")
     num_sequences = T.dynamic("num_sequences")
     num_chunks = T.dynamic("num_chunks")
-    group = num_v_heads // num_qk_heads
+    num_v_heads = T.dynamic("num_v_heads")
+    num_qk_heads = T.dynamic("num_qk_heads")
 
     @T.prim_func
     def gate_free_inverse_kernel(
@@ -40,7 +40,7 @@ def inverse_program(num_v_heads: int, num_qk_heads: int, head_dim: int = 128, dt
         with T.Kernel(num_chunks * num_v_heads, threads=_THREADS) as block:
             chunk = block // num_v_heads
             head = block % num_v_heads
-            qk_head = head // group
+            qk_head = head // (num_v_heads // num_qk_heads)
             sequence = chunk_index[chunk, 0]
             start = cu_seqlens[sequence] + chunk_index[chunk, 1] * _C
             length = T.min(cu_seqlens[sequence + 1] - start, _C)
@@ -115,9 +115,8 @@ def inverse_program(num_v_heads: int, num_qk_heads: int, head_dim: int = 128, dt
 
 
 @functools.lru_cache(maxsize=None)
-def compile_inverse(num_v_heads: int, num_qk_heads: int, head_dim: int = 128, dtype: str = "bfloat16",
-                    beta_dtype: str = "float32"):
-    program = inverse_program(num_v_heads, num_qk_heads, head_dim, dtype, beta_dtype)
+def compile_inverse(head_dim: int = 128, dtype: str = "bfloat16", beta_dtype: str = "float32"):
+    program = inverse_program(head_dim, dtype, beta_dtype)
     return tilelang.compile(program, target=HOPPER_TARGET)
 
 
@@ -134,8 +133,7 @@ def gate_free_inverse(k: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Ten
     num_tokens = batch_size * seq_len
     result = torch.empty(num_tokens, num_v_heads, _C, dtype=torch.bfloat16, device=k.device)
     if chunk_index.shape[0] > 0:
-        kernel = compile_inverse(num_v_heads, num_qk_heads, head_dim, str(k.dtype).removeprefix("torch."),
-                                 str(beta.dtype).removeprefix("torch."))
+        kernel = compile_inverse(head_dim, str(k.dtype).removeprefix("torch."), str(beta.dtype).removeprefix("torch."))
         kernel(k.reshape(num_tokens, num_qk_heads, head_dim).contiguous(),
                beta.reshape(num_tokens, num_v_heads).contiguous(), cu_seqlens, chunk_index, result)
     return result.view(batch_size, seq_len, num_v_heads, _C)

@@ -1,0 +1,89 @@
+"""Backward of the chunked gated delta rule on Hopper: the entry the autograd Function calls.
+
+Recomputes what the forward did not keep (gamma, the gate-free inverse, the bf16 state entering
+every chunk, via the state-only kernel), then runs the fused reverse-walking kernel
+(backward_fused.py) and adds up its per-V-block and per-value-head shares in torch, which keeps
+the result deterministic (no atomics).
+"""
+
+import torch
+
+from flashqla.hopper.backward_fused import HEAD_DIM, compile_fused_backward, fused_backward
+from flashqla.hopper.chunk_plan import chunk_indices, chunk_offsets, device_sm_count, flat_cu_seqlens, value_block_size
+from flashqla.hopper.chunk_states import chunk_states
+from flashqla.hopper.cumsum import chunk_local_cumsum
+from flashqla.hopper.inverse import gate_free_inverse
+
+# The fused kernel keeps a K x BV state gradient and C x BV tiles in registers; 128 spills.
+MAX_VALUE_BLOCK = 64
+
+COMPILE_CHECKS = [
+    ("fused_backward", lambda: compile_fused_backward(8, 2, 64)),
+]
+
+
+def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht):
+    """Gradients of (o, final_state) for inputs as given to `flashqla.hopper.forward`.
+
+    q, k: [B, T, Hqk, 128]; v, do: [B, T, Hv, 128]; g, beta: [B, T, Hv]; initial_state, dht:
+    [N, Hv, 128, 128] or None; cu_seqlens: int [N + 1] (B = 1) or None.
+    Returns (dq, dk, dv, dg, dbeta, dh0): dq, dk, dv in q's dtype and shape (dq, dk summed over each
+    value-head group); dg, dbeta float32 [B, T, Hv]; dh0 float32 [N, Hv, 128, 128], also when
+    there is no initial state (the gradient a zero initial state would get).
+    """
+    head_k, head_v = q.shape[-1], v.shape[-1]
+    if head_k != HEAD_DIM or head_v != HEAD_DIM:
+        raise ValueError(f"backend='tilelang' supports K = V = 128, got K={head_k}, V={head_v}")
+    if q.dtype not in (torch.bfloat16, torch.float16) or v.dtype != q.dtype:
+        raise ValueError(f"backend='tilelang' needs q, k, v all bfloat16 or all float16, got q {q.dtype}, v {v.dtype}")
+    batch_size, seq_len, num_qk_heads, _ = q.shape
+    num_v_heads = v.shape[2]
+    group = num_v_heads // num_qk_heads
+    num_tokens = batch_size * seq_len
+    device = q.device
+    if cu_seqlens is None:
+        cu_seqlens = flat_cu_seqlens(batch_size, seq_len, device)
+    cu_seqlens = cu_seqlens.to(device=device, dtype=torch.int32).contiguous()
+    num_sequences = cu_seqlens.numel() - 1
+
+    # The fused kernel reads bf16 operands; float16 inputs are converted once here.
+    def flat(x, heads):
+        return x.reshape(num_tokens, heads, HEAD_DIM).to(torch.bfloat16).contiguous()
+
+    q_flat, k_flat = flat(q, num_qk_heads), flat(k, num_qk_heads)
+    v_flat, do_flat = flat(v, num_v_heads), flat(do, num_v_heads)
+    g_flat = g.reshape(num_tokens, num_v_heads).to(torch.float32).contiguous()
+    beta_flat = beta.reshape(num_tokens, num_v_heads).to(torch.float32).contiguous()
+
+    chunk_index = chunk_indices(cu_seqlens)
+    offsets = chunk_offsets(cu_seqlens)
+    gamma = chunk_local_cumsum(g_flat.unsqueeze(0), cu_seqlens, chunk_index=chunk_index)
+    inverse = gate_free_inverse(k_flat.unsqueeze(0), beta_flat.unsqueeze(0), cu_seqlens, chunk_index=chunk_index)
+    inverse = inverse.view(num_tokens, num_v_heads, -1)
+    h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
+
+    busy_sequences = max(int((cu_seqlens[1:] > cu_seqlens[:-1]).sum().item()), 1)
+    value_block = value_block_size(busy_sequences, num_v_heads, HEAD_DIM, device_sm_count(device), MAX_VALUE_BLOCK)
+    states, _, _ = chunk_states(k_flat, v_flat, gamma.view(num_tokens, num_v_heads), beta_flat, inverse, h0,
+                                cu_seqlens, value_block=value_block)
+
+    if dht is None:
+        dht = torch.zeros(num_sequences, num_v_heads, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=device)
+    dht = dht.to(torch.float32).contiguous()
+    dq_part, dk_part, dv, dg_part, dbeta_part, dh0 = fused_backward(
+        q_flat, k_flat, v_flat, g_flat, beta_flat, inverse, states, do_flat, dht, scale, cu_seqlens, offsets,
+        value_block)
+
+    # Deterministic reductions: over V blocks, then over the value heads sharing a q/k head.
+    dq = dq_part.sum(0).view(num_tokens, num_qk_heads, group, HEAD_DIM).sum(2)
+    dk = dk_part.sum(0).view(num_tokens, num_qk_heads, group, HEAD_DIM).sum(2)
+    dg = dg_part.sum(0)
+    dbeta = dbeta_part.sum(0)
+    return (
+        dq.view(q.shape).to(q.dtype),
+        dk.view(k.shape).to(k.dtype),
+        dv.view(v.shape).to(v.dtype),
+        dg.view(g.shape),
+        dbeta.view(beta.shape),
+        dh0,
+    )
