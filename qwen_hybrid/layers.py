@@ -13,8 +13,36 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torch.utils.checkpoint import checkpoint
+
 import flashqla
 from qwen_hybrid.config import QwenHybridConfig
+
+
+def recompute_in_backward(function, *args):
+    """function(*args), keeping only its inputs for the backward and recomputing the rest there.
+
+    For the elementwise chains (norms in float32, SiLU, RoPE, the conv): autograd would keep
+    every float32 intermediate alive, several times the size of the bf16 input; recomputing
+    them is a cheap memory-bound pass.
+    """
+    if torch.is_grad_enabled():
+        return checkpoint(function, *args, use_reentrant=False)
+    return function(*args)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Zero-centred RMSNorm in float32: normalise, scale by (1 + weight), round once."""
+    x_float = x.float()
+    normed = x_float * torch.rsqrt(x_float.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * (1.0 + weight.float())).type_as(x)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x_float = x.float()
+    normed = (x_float * torch.rsqrt(x_float.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    # HF rounds to the input dtype before the weight and upcasts again for the gate
+    return (weight * normed * F.silu(gate.float())).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -26,9 +54,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x_float = x.float()
-        normed = x_float * torch.rsqrt(x_float.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * (1.0 + self.weight.float())).type_as(x)
+        return recompute_in_backward(rms_norm, x, self.weight, self.eps)
 
 
 class GatedRMSNorm(nn.Module):
@@ -40,10 +66,7 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        x_float = x.float()
-        normed = (x_float * torch.rsqrt(x_float.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-        # HF rounds to the input dtype before the weight and upcasts again for the gate
-        return (self.weight * normed * F.silu(gate.float())).to(x.dtype)
+        return recompute_in_backward(gated_rms_norm, x, gate, self.weight, self.eps)
 
 
 class CausalConv1d(nn.Module):
@@ -139,7 +162,7 @@ class GatedDeltaNet(nn.Module):
         batch, length, _ = x.shape
         key_dim = self.num_k_heads * self.head_k_dim
         value_dim = self.num_v_heads * self.head_v_dim
-        qkv = F.silu(self.conv1d(self.in_proj_qkv(x), cu_seqlens))
+        qkv = recompute_in_backward(_conv_silu, self.conv1d, self.in_proj_qkv(x), cu_seqlens)
         q, k, v = torch.split(qkv, [key_dim, key_dim, value_dim], dim=-1)
         q = q.reshape(batch, length, self.num_k_heads, self.head_k_dim)
         k = k.reshape(batch, length, self.num_k_heads, self.head_k_dim)
@@ -151,6 +174,10 @@ class GatedDeltaNet(nn.Module):
         z = self.in_proj_z(x).reshape(batch, length, self.num_v_heads, self.head_v_dim)
         o = self.norm(o, z).reshape(batch, length, value_dim)
         return self.out_proj(o)
+
+
+def _conv_silu(conv: CausalConv1d, x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+    return F.silu(conv(x, cu_seqlens))
 
 
 class AttentionCore(nn.Module):
@@ -220,6 +247,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat([(x_rot * cos + rotated * sin).to(x.dtype), x_pass], dim=-1)
 
 
+def _norm_rotary(x, norm_weight, cos, sin, eps) -> torch.Tensor:
+    return apply_rotary(rms_norm(x, norm_weight, eps), cos, sin)
+
+
 class GatedAttention(nn.Module):
     """Qwen3.5's full-attention block: q projection carries a per-head output gate, zero-centred
     RMSNorm on q and k per head, partial RoPE, grouped KV heads, causal attention, sigmoid gate."""
@@ -243,9 +274,9 @@ class GatedAttention(nn.Module):
     def forward(self, x, cos, sin, cu_seqlens=None, max_seqlen=None) -> torch.Tensor:
         batch, length, _ = x.shape
         query, gate = self.q_proj(x).view(batch, length, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        q = apply_rotary(self.q_norm(query), cos, sin)
+        q = recompute_in_backward(_norm_rotary, query, self.q_norm.weight, cos, sin, self.q_norm.eps)
         k = self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)
-        k = apply_rotary(self.k_norm(k), cos, sin)
+        k = recompute_in_backward(_norm_rotary, k, self.k_norm.weight, cos, sin, self.k_norm.eps)
         v = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)
         out = self.attention(q, k, v, cu_seqlens, max_seqlen)
         out = out.reshape(batch, length, -1) * torch.sigmoid(gate.reshape(batch, length, -1))
@@ -260,7 +291,11 @@ class SwiGLUMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(recompute_in_backward(_swiglu, self.gate_proj(x), self.up_proj(x)))
+
+
+def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
 
 
 class DecoderLayer(nn.Module):
