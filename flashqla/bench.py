@@ -83,6 +83,36 @@ def implementations(baselines: list[str]) -> dict:
     return impls
 
 
+def forward_breakdown(inputs: dict, rep_ms: int) -> dict:
+    """Median ms of each stage of our forward (cumsum, inverse, planning, fused kernel)."""
+    from triton.testing import do_bench
+
+    from flashqla import hopper
+    from flashqla.hopper.chunk_plan import chunk_indices, chunk_offsets, plan_pieces, walk_starts
+
+    q, k, v, g, beta = (inputs[n][0] for n in ("q", "k", "v", "g", "beta"))
+    cu = inputs["cu_seqlens"]
+    num_tokens, num_v_heads = g.shape
+    index, offsets = chunk_indices(cu), chunk_offsets(cu)
+    gamma = hopper.chunk_local_cumsum(g[None], cu, chunk_index=index).view(num_tokens, num_v_heads)
+    inverse = hopper.gate_free_inverse(k[None], beta[None], cu, chunk_index=index).view(num_tokens, num_v_heads, 64)
+    sm_count = torch.cuda.get_device_properties().multi_processor_count
+    value_block = hopper.MAX_VALUE_BLOCK
+    pieces = plan_pieces(cu, num_v_heads, 128 // value_block, sm_count)
+    walk = walk_starts(pieces, cu, gamma)
+    stages = {
+        "cumsum": lambda: hopper.chunk_local_cumsum(g[None], cu, chunk_index=index),
+        "inverse": lambda: hopper.gate_free_inverse(k[None], beta[None], cu, chunk_index=index),
+        "plan": lambda: (chunk_indices(cu), chunk_offsets(cu), walk_starts(plan_pieces(cu, num_v_heads, 2, sm_count), cu, gamma)),
+        "fused": lambda: hopper.fused_forward(q, k, v, gamma, beta, inverse, 128 ** -0.5, inputs["initial_state"], cu,
+                                             value_block, pieces, walk, offsets=offsets),
+    }
+    result = {name: do_bench(fn, warmup=10, rep=rep_ms, return_mode="median") for name, fn in stages.items()}
+    result["pieces"] = int(pieces.shape[0])
+    result["value_block"] = value_block
+    return result
+
+
 def time_forward(fn, inputs, rep_ms: int) -> float:
     from triton.testing import do_bench
 
@@ -113,6 +143,7 @@ def main(argv=None) -> None:
     parser.add_argument("--json", default=None, help="write all timings to this JSON file")
     parser.add_argument("--shapes", default="", help="comma-separated substrings; run only matching shape names")
     parser.add_argument("--baselines", default="fla,flashqla", help="comma-separated: fla, flashqla")
+    parser.add_argument("--breakdown", action="store_true", help="also time each stage of our forward")
     parser.add_argument("--rep", type=int, default=200, help="do_bench repetition time per measurement, ms")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -135,6 +166,11 @@ def main(argv=None) -> None:
                     row[f"{impl_name}_bwd_ms"] = time_backward(fn, inputs, args.rep, forward_ms)
             except Exception as error:  # a baseline failing must not hide the others' numbers
                 row[f"{impl_name}_error"] = f"{type(error).__name__}: {error}"[:300]
+        if args.breakdown:
+            try:
+                row["ours_breakdown_ms"] = forward_breakdown(inputs, max(args.rep // 4, 20))
+            except Exception as error:
+                row["ours_breakdown_error"] = f"{type(error).__name__}: {error}"[:300]
         results.append(row)
         print(format_row(row, impls), flush=True)
         del inputs
@@ -156,6 +192,9 @@ def format_row(row: dict, impls: dict) -> str:
                 parts.append(f"{impl_name} {kind} {row[key]:.3f} ms")
         if f"{impl_name}_error" in row:
             parts.append(f"{impl_name} ERROR {row[f'{impl_name}_error']}")
+    if "ours_breakdown_ms" in row:
+        parts.append("stages " + " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
+                                          for k, v in row["ours_breakdown_ms"].items()))
     return " | ".join(parts)
 
 
