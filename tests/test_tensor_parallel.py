@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import copy
 import os
+import queue
 import re
 import socket
+import traceback
 
 import pytest
 import torch
@@ -39,19 +41,84 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn(world_size: int, worker, *args) -> None:
-    mp.spawn(_process_entry, args=(world_size, _free_port(), worker, args), nprocs=world_size, join=True)
+class _GlooWorld:
+    """`world_size` spawned processes in one gloo process group, kept for several tests (each
+    process pays ~3 s of imports once). `run(worker, *args)` calls `worker(*args)` on every rank
+    and raises with the traceback of any rank that failed; a rank stuck in a collective after
+    another failed makes `run` time out, and the next `run` starts fresh processes."""
+
+    def __init__(self, world_size: int, timeout_s: float = 300.0):
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self.processes = []
+
+    def _start(self) -> None:
+        context = mp.get_context("spawn")
+        self.tasks = [context.Queue() for _ in range(self.world_size)]
+        self.results = context.Queue()
+        port = _free_port()
+        self.processes = [
+            context.Process(target=_serve, args=(rank, self.world_size, port, self.tasks[rank], self.results), daemon=True)
+            for rank in range(self.world_size)
+        ]
+        for process in self.processes:
+            process.start()
+
+    def run(self, worker, *args) -> None:
+        if not self.processes:
+            self._start()
+        for tasks in self.tasks:
+            tasks.put((worker, args))
+        failures = []
+        try:
+            for _ in range(self.world_size):
+                rank, error = self.results.get(timeout=self.timeout_s)
+                if error is not None:
+                    failures.append(f"rank {rank}:\n{error}")
+        except queue.Empty:
+            self.close()
+            failures.append(f"a rank did not finish within {self.timeout_s} s (stuck in a collective?)")
+        if failures:
+            pytest.fail("\n".join(failures), pytrace=False)
+
+    def close(self) -> None:
+        for process, tasks in zip(self.processes, self.tasks):
+            if process.is_alive():
+                tasks.put(None)
+        for process in self.processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+        self.processes = []
 
 
-def _process_entry(rank: int, world_size: int, port: int, worker, args) -> None:
+def _serve(rank: int, world_size: int, port: int, tasks, results) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        worker(*args)
-    finally:
-        dist.destroy_process_group()
+    while (task := tasks.get()) is not None:
+        worker, args = task
+        try:
+            worker(*args)
+            results.put((rank, None))
+        except BaseException:
+            results.put((rank, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def world2():
+    world = _GlooWorld(2)
+    yield world
+    world.close()
+
+
+@pytest.fixture(scope="module")
+def world4():
+    world = _GlooWorld(4)
+    yield world
+    world.close()
 
 
 def _tiny_config(**overrides) -> QwenHybridConfig:
@@ -158,14 +225,14 @@ def _check_matches_unsharded(config_overrides: dict, activation_checkpointing: b
             )
 
 
-def test_tp2_logits_loss_and_gradients_match_unsharded():
-    _spawn(2, _check_matches_unsharded, {}, False)
+def test_tp2_logits_loss_and_gradients_match_unsharded(world2):
+    world2.run(_check_matches_unsharded, {}, False)
 
 
-def test_tp4_with_replicated_kv_heads_and_activation_checkpointing_matches_unsharded():
+def test_tp4_with_replicated_kv_heads_and_activation_checkpointing_matches_unsharded(world4):
     plan = plan_tensor_parallel(_tiny_config(**TP4_OVERRIDES), 4, 1)
     assert plan.shards["model.layers.1.self_attn.k_proj.weight"].copies == 2
-    _spawn(4, _check_matches_unsharded, TP4_OVERRIDES, True)
+    world4.run(_check_matches_unsharded, TP4_OVERRIDES, True)
 
 
 def _check_training_follows_unsharded(num_steps: int) -> None:
@@ -194,8 +261,8 @@ def _check_training_follows_unsharded(num_steps: int) -> None:
             assert relative_error(full[name], tensor) <= 1e-5, name
 
 
-def test_tp2_optimizer_steps_follow_unsharded_loss_curve():
-    _spawn(2, _check_training_follows_unsharded, 6)
+def test_tp2_optimizer_steps_follow_unsharded_loss_curve(world2):
+    world2.run(_check_training_follows_unsharded, 6)
 
 
 def _check_hf_load_into_shards(directory: str, tie_word_embeddings: bool) -> None:
@@ -216,10 +283,10 @@ def _check_hf_load_into_shards(directory: str, tie_word_embeddings: bool) -> Non
 
 
 @pytest.mark.parametrize("tie_word_embeddings", [False, True])
-def test_hf_checkpoint_loads_into_shards_like_load_then_shard(tmp_path, tie_word_embeddings):
+def test_hf_checkpoint_loads_into_shards_like_load_then_shard(world2, tmp_path, tie_word_embeddings):
     model = _random_model(_tiny_config(tie_word_embeddings=tie_word_embeddings))
     model.save_pretrained(tmp_path)
-    _spawn(2, _check_hf_load_into_shards, str(tmp_path), tie_word_embeddings)
+    world2.run(_check_hf_load_into_shards, str(tmp_path), tie_word_embeddings)
 
 
 def _check_groups_layout() -> None:
@@ -233,8 +300,10 @@ def _check_groups_layout() -> None:
         assert [int(m) for m in members] == ranks
     assert groups.tp_ranks == [rank - rank % 2, rank - rank % 2 + 1]
     # DeepSpeed reads the data-parallel group and the tensor-parallel size through mpu
+    import deepspeed
     from deepspeed.utils import groups as deepspeed_groups
 
+    deepspeed.init_distributed(dist_backend="gloo")  # wraps the process group already up
     deepspeed_groups.mpu = groups
     try:
         assert deepspeed_groups._get_data_parallel_group() is groups.dp_group
@@ -245,8 +314,8 @@ def _check_groups_layout() -> None:
         deepspeed_groups.mpu = None
 
 
-def test_groups_form_a_dp_by_tp_grid_that_deepspeed_reads():
-    _spawn(4, _check_groups_layout)
+def test_groups_form_a_dp_by_tp_grid_that_deepspeed_reads(world4):
+    world4.run(_check_groups_layout)
 
 
 def _check_vocab_parallel_cross_entropy() -> None:
@@ -269,8 +338,8 @@ def _check_vocab_parallel_cross_entropy() -> None:
     assert relative_error(local_weight.grad, weight.grad[start:start + rows]) <= 1e-12
 
 
-def test_vocab_parallel_cross_entropy_matches_chunked_cross_entropy():
-    _spawn(3, _check_vocab_parallel_cross_entropy)
+def test_vocab_parallel_cross_entropy_matches_chunked_cross_entropy(world2):
+    world2.run(_check_vocab_parallel_cross_entropy)
 
 
 @pytest.mark.parametrize(

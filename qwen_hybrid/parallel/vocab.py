@@ -86,7 +86,8 @@ def vocab_parallel_cross_entropy(
     `weight` = full_weight[vocab_start : vocab_start + weight.shape[0]].
 
     hidden: [T, H], the same on every rank of `group`; labels: [T] global token ids (already
-    shifted), `ignore_index` skipped. Returns the same float32 scalar on every rank. The backward
+    shifted), `ignore_index` skipped. Returns the same float32 scalar on every rank (float64 for
+    float64 inputs). The backward
     gives this rank's weight rows their full gradient and all-reduces the hidden gradient.
     """
     if hidden.dim() != 2:
@@ -105,6 +106,7 @@ def vocab_parallel_cross_entropy(
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, vocab_start, group, chunk_size, ignore_index):
+        accumulate = torch.float64 if hidden.dtype == torch.float64 else torch.float32
         local_rows = weight.shape[0]
         valid = labels != ignore_index
         num_valid = valid.sum()
@@ -112,10 +114,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         label_here = valid & (local_labels >= 0) & (local_labels < local_rows)
         local_labels = torch.where(label_here, local_labels, 0)
         # per token: this rank's log-sum-exp and target logit (0 where the label lives elsewhere)
-        stats = torch.empty(2, hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        stats = torch.empty(2, hidden.shape[0], dtype=accumulate, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk_size):
             end = min(start + chunk_size, hidden.shape[0])
-            logits = (hidden[start:end] @ weight.t()).float()
+            logits = (hidden[start:end] @ weight.t()).to(accumulate)
             stats[0, start:end] = torch.logsumexp(logits, dim=-1)
             target = logits.gather(1, local_labels[start:end, None])[:, 0]
             stats[1, start:end] = target * label_here[start:end]
@@ -138,17 +140,18 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         hidden, weight, local_labels, label_here, valid, logsumexp, num_valid = ctx.saved_tensors
         # d loss / d local logits = (softmax over the full vocabulary - onehot) * valid * grad / num_valid
-        row_scale = valid.float() * (grad_loss.float() / num_valid.clamp(min=1))
+        accumulate = logsumexp.dtype
+        row_scale = valid.to(accumulate) * (grad_loss.to(accumulate) / num_valid.clamp(min=1))
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
+        grad_weight = torch.zeros(weight.shape, dtype=accumulate, device=weight.device) \
             if ctx.needs_input_grad[1] else None
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             end = min(start + ctx.chunk_size, hidden.shape[0])
             h = hidden[start:end]
-            grad_logits = (h @ weight.t()).float()
+            grad_logits = (h @ weight.t()).to(accumulate)
             grad_logits.sub_(logsumexp[start:end, None]).exp_()
             rows = torch.arange(end - start, device=hidden.device)
-            grad_logits[rows, local_labels[start:end]] -= label_here[start:end].float()
+            grad_logits[rows, local_labels[start:end]] -= label_here[start:end].to(accumulate)
             grad_logits.mul_(row_scale[start:end, None])
             grad_logits = grad_logits.to(weight.dtype)
             if grad_hidden is not None:
