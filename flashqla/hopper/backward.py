@@ -18,7 +18,7 @@ from flashqla.hopper.inverse import gate_free_inverse
 MAX_VALUE_BLOCK = 64
 
 COMPILE_CHECKS = [
-    ("fused_backward", lambda: compile_fused_backward(8, 2, 64)),
+    ("fused_backward", lambda: compile_fused_backward(64)),
 ]
 
 

@@ -21,12 +21,14 @@ _THREADS = 256
 HEAD_DIM = 128
 
 
-def fused_backward_program(num_v_heads: int, num_qk_heads: int, value_block: int = 64):
-    """Kernel for K = V = 128, bf16 operands (q, k, v, dO, A~, chunk states), float32 g and beta."""
+def fused_backward_program(value_block: int = 64):
+    """Kernel for K = V = 128, bf16 operands (q, k, v, dO, A~, chunk states), float32 g and beta;
+    head counts, lengths and scale are run-time values."""
     K = V = HEAD_DIM
     BV = value_block
     num_value_blocks = V // BV
-    group = num_v_heads // num_qk_heads
+    num_v_heads = T.dynamic("num_v_heads")
+    num_qk_heads = T.dynamic("num_qk_heads")
     num_tokens = T.dynamic("num_tokens")
     num_sequences = T.dynamic("num_sequences")
     num_chunks = T.dynamic("num_chunks")
@@ -55,7 +57,7 @@ def fused_backward_program(num_v_heads: int, num_qk_heads: int, value_block: int
         scale: T.float32,
     ):
         with T.Kernel(num_value_blocks, num_v_heads, num_sequences, threads=_THREADS) as (vblock, head, seq):
-            qk_head = head // group
+            qk_head = head // (num_v_heads // num_qk_heads)
             v0 = vblock * BV
             bos = cu_seqlens[seq]
             eos = cu_seqlens[seq + 1]
@@ -88,6 +90,7 @@ def fused_backward_program(num_v_heads: int, num_qk_heads: int, value_block: int
             rdec_s = T.alloc_shared((_C,), f32)  # e^{gamma_C - gamma_t}
             dgam_s = T.alloc_shared((_C,), f32)
             te_s = T.alloc_shared((_C,), f32)
+            gamma_c_s = T.alloc_shared((_C,), f32)
             dbeta_s = T.alloc_shared((_C,), f32)
             state_dot_s = T.alloc_shared((K,), f32)
 
@@ -118,6 +121,10 @@ def fused_backward_program(num_v_heads: int, num_qk_heads: int, value_block: int
             row_v = T.alloc_fragment((_C,), f32)  # row sums of C x BV fragments
             row_d = T.alloc_fragment((_C,), f32)  # row sums of C x K fragments
             row_k = T.alloc_fragment((K,), f32)
+            dg_mat = T.alloc_fragment((_C, _C), f32)
+            dg_row = T.alloc_fragment((_C,), f32)
+            sd_mat = T.alloc_fragment((_C, K), f32)
+            sd_row = T.alloc_fragment((_C,), f32)
 
             T.copy(dht[seq, head, 0:K, v0:v0 + BV], ds)
             for it in T.serial(seq_chunks):
@@ -284,18 +291,19 @@ def fused_backward_program(num_v_heads: int, num_qk_heads: int, value_block: int
                 T.gemm(q_s, dog_s, ds, transpose_A=True)
                 T.gemm(k_s, du_s, ds, transpose_A=True)
 
-                # dg = reverse cumsum of dgamma within the chunk; every row gets the gamma_C terms.
+                # dg = reverse cumsum of dgamma within the chunk; every row also gets the gamma_C terms
+                # (sum of te and e^{gamma_C} sum(S0 . dS1)). Reductions, not serial loops, for latency.
+                for t, j in T.Parallel(_C, _C):
+                    dg_mat[t, j] = T.if_then_else(j >= t, dgam_s[j], 0.0) + te_s[j]
+                T.reduce_sum(dg_mat, dg_row, dim=1, clear=True)
+                for t, i in T.Parallel(_C, K):
+                    sd_mat[t, i] = state_dot_s[i]
+                T.reduce_sum(sd_mat, sd_row, dim=1, clear=True)
                 for t in T.Parallel(_C):
-                    acc = T.alloc_var(f32)
-                    acc = 0.0
-                    for j in T.serial(_C):
-                        acc = acc + T.if_then_else(j >= t, dgam_s[j], 0.0) + te_s[j]
-                    tail = T.alloc_var(f32)
-                    tail = 0.0
-                    for j in T.serial(K):
-                        tail = tail + state_dot_s[j]
+                    gamma_c_s[t] = sd_row[t] * dec_s[_C - 1]
+                for t in T.Parallel(_C):
                     if t < length:
-                        dg_part[vblock, start + t, head] = acc + tail * dec_s[_C - 1]
+                        dg_part[vblock, start + t, head] = dg_row[t] + gamma_c_s[t]
                         dbeta_part[vblock, start + t, head] = dbeta_s[t]
 
             T.copy(ds, dh0[seq, head, 0:K, v0:v0 + BV])
@@ -304,8 +312,8 @@ def fused_backward_program(num_v_heads: int, num_qk_heads: int, value_block: int
 
 
 @functools.lru_cache(maxsize=None)
-def compile_fused_backward(num_v_heads: int, num_qk_heads: int, value_block: int = 64):
-    return tilelang.compile(fused_backward_program(num_v_heads, num_qk_heads, value_block), target=HOPPER_TARGET)
+def compile_fused_backward(value_block: int = 64):
+    return tilelang.compile(fused_backward_program(value_block), target=HOPPER_TARGET)
 
 
 def fused_backward(q, k, v, g, beta, inverse, chunk_states, do, dht, scale, cu_seqlens, offsets, value_block):
@@ -327,7 +335,7 @@ def fused_backward(q, k, v, g, beta, inverse, chunk_states, do, dht, scale, cu_s
     dbeta_part = torch.empty(blocks, num_tokens, num_v_heads, **f32)
     dv = torch.empty(num_tokens, num_v_heads, head_dim, dtype=torch.bfloat16, device=q.device)
     dh0 = torch.empty(num_sequences, num_v_heads, head_dim, head_dim, **f32)
-    kernel = compile_fused_backward(num_v_heads, num_qk_heads, value_block)
+    kernel = compile_fused_backward(value_block)
     kernel(q, k, v, g, beta, inverse, chunk_states, do, dht, cu_seqlens, offsets,
            dq_part, dk_part, dv, dg_part, dbeta_part, dh0, float(scale))
     return dq_part, dk_part, dv, dg_part, dbeta_part, dh0
