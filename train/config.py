@@ -61,6 +61,8 @@ def validate_config(cfg: DictConfig) -> None:
     elif not Path(str(cfg.data.path)).is_dir():
         raise ConfigError(f"data.path={cfg.data.path!r}: expected a dataset directory from train.prepare_data")
 
+    _boolean("data.document_boundaries", cfg.data.document_boundaries)
+
     _integer("train.steps", train.steps, 1)
     _integer("train.tokens_per_micro_batch", train.tokens_per_micro_batch, 2)
     _integer("train.seq_len", train.seq_len, 1)
@@ -73,8 +75,6 @@ def validate_config(cfg: DictConfig) -> None:
     _number("train.lr", train.lr, 0.0)
     _number("train.min_lr_ratio", train.min_lr_ratio, 0.0, 1.0)
     _integer("train.warmup_steps", train.warmup_steps, 0)
-    if train.warmup_steps > train.steps:
-        raise ConfigError(f"train.warmup_steps={train.warmup_steps}: expected <= train.steps={train.steps}")
     _number("train.weight_decay", train.weight_decay, 0.0)
     if not isinstance(train.betas, ListConfig) or len(train.betas) != 2:
         raise ConfigError(f"train.betas={train.betas!r}: expected a list of two numbers in [0, 1)")

@@ -7,7 +7,8 @@ On disk a dataset is a directory:
 
 A micro-batch is a fixed window of `tokens_per_micro_batch` consecutive tokens of that stream:
 no padding. Its `cu_seqlens` mark where documents start and end inside the window; documents
-longer than `max_seq_len` are cut into pieces of at most that length. Windows are visited in a
+longer than `max_seq_len` are cut into pieces of at most that length. Without document boundaries
+(for benchmarks that want full-length sequences from short-document data) only that cut is made. Windows are visited in a
 seeded permutation per epoch, and global micro-batch `i` goes to rank `i % world_size`, so the
 order is a pure function of (seed, position): resuming needs only the position.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,12 +58,24 @@ def write_packed_dataset(
     """
     output_dir = Path(output_dir)
     if output_dir.exists():
-        raise ValueError(f"output_dir {str(output_dir)!r} already exists; remove it or choose another path")
+        raise ValueError(f"output directory {str(output_dir)!r} already exists; remove it or choose another path")
     dtype = np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32
     partial_dir = output_dir.with_name(output_dir.name + f".partial-{os.getpid()}")
     partial_dir.mkdir(parents=True)
+    try:
+        meta = _write_files(partial_dir, documents, dtype, vocab_size, eos_id, tokenizer_name)
+        partial_dir.rename(output_dir)
+    except BaseException:
+        shutil.rmtree(partial_dir, ignore_errors=True)
+        if output_dir.exists() and (output_dir / META_FILE).is_file():
+            return json.loads((output_dir / META_FILE).read_text())  # another process finished the same build
+        raise
+    return meta
+
+
+def _write_files(directory: Path, documents, dtype, vocab_size: int, eos_id: int | None, tokenizer_name: str) -> dict:
     offsets = [0]
-    with open(partial_dir / TOKENS_FILE, "wb") as tokens_file:
+    with open(directory / TOKENS_FILE, "wb") as tokens_file:
         for doc in documents:
             ids = np.asarray(doc, dtype=np.int64)
             if ids.size == 0:
@@ -75,7 +89,7 @@ def write_packed_dataset(
             offsets.append(offsets[-1] + ids.size)
     if len(offsets) == 1:
         raise ValueError("documents is empty: no document had any tokens")
-    np.save(partial_dir / OFFSETS_FILE, np.asarray(offsets, dtype=np.int64))
+    np.save(directory / OFFSETS_FILE, np.asarray(offsets, dtype=np.int64))
     meta = {
         "format_version": FORMAT_VERSION,
         "dtype": np.dtype(dtype).name,
@@ -85,8 +99,7 @@ def write_packed_dataset(
         "eos_id": eos_id,
         "tokenizer": tokenizer_name,
     }
-    (partial_dir / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-    partial_dir.rename(output_dir)
+    (directory / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
     return meta
 
 
@@ -144,6 +157,7 @@ class MicroBatchSampler:
         seed: int,
         rank: int,
         world_size: int,
+        document_boundaries: bool = True,
     ):
         if tokens_per_micro_batch < 2:
             raise ValueError(f"tokens_per_micro_batch must be >= 2, got {tokens_per_micro_batch}")
@@ -163,6 +177,7 @@ class MicroBatchSampler:
         self.seed = seed
         self.rank = rank
         self.world_size = world_size
+        self.document_boundaries = document_boundaries
         self._epoch_order: tuple[int, np.ndarray] | None = None
 
     def window_of(self, global_index: int) -> int:
@@ -178,10 +193,12 @@ class MicroBatchSampler:
         start = self.window_of(global_index) * length
         end = start + length
         input_ids = torch.from_numpy(self.dataset.tokens[start:end].astype(np.int64)).unsqueeze(0)
-        offsets = self.dataset.doc_offsets
-        first_doc = int(np.searchsorted(offsets, start, side="right"))
-        last_doc = int(np.searchsorted(offsets, end, side="left"))
-        doc_starts = np.asarray(offsets[first_doc:last_doc], dtype=np.int64) - start
+        doc_starts = np.zeros(0, dtype=np.int64)
+        if self.document_boundaries:
+            offsets = self.dataset.doc_offsets
+            first_doc = int(np.searchsorted(offsets, start, side="right"))
+            last_doc = int(np.searchsorted(offsets, end, side="left"))
+            doc_starts = np.asarray(offsets[first_doc:last_doc], dtype=np.int64) - start
         bounds = np.concatenate([[0], doc_starts, [length]])
         cu_seqlens = _split_long_pieces(bounds, self.max_seq_len)
         lengths = np.diff(cu_seqlens)

@@ -154,6 +154,9 @@ def train(cfg: DictConfig) -> int:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
+        if "OMP_NUM_THREADS" not in os.environ:
+            # CPU runs use small models, whose ops are too short to gain from threads that only contend
+            torch.set_num_threads(1)
 
     resume_point = None
     if cfg.train.resume is not None:
@@ -193,7 +196,8 @@ def train(cfg: DictConfig) -> int:
         state = load_checkpoint(engine, resume_point)
         log.info(f"resumed from {resume_point.checkpoints_dir / resume_point.tag} at step {state.step}")
     sampler = MicroBatchSampler(
-        dataset, train_cfg.tokens_per_micro_batch, train_cfg.seq_len, train_cfg.seed, rank, world_size
+        dataset, train_cfg.tokens_per_micro_batch, train_cfg.seq_len, train_cfg.seed, rank, world_size,
+        document_boundaries=cfg.data.document_boundaries,
     )
     comparison = None
     if cfg.benchmark.compare_backends:

@@ -1,0 +1,269 @@
+"""The training entry point on CPU: 2-rank ZeRO-2 runs on gloo (torchrun and the deepspeed launcher),
+exact resume, SIGTERM checkpointing, metrics.jsonl / W&B offline files, per-kernel timing and the
+backend comparison, and config errors that name their key."""
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from train.checkpoint import find_resume_point
+from train.config import ConfigError, deepspeed_config, validate_config
+from train.schedule import lr_multiplier
+
+REPO = Path(__file__).resolve().parents[1]
+PRETRAIN = str(REPO / "train" / "pretrain.py")
+STEP_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "peak_memory_gib"}
+KERNEL_KEYS = {f"time/{g}_{p}_s" for g in ("gdn", "attention") for p in ("fwd", "bwd", "recompute")} | {"time/rest_s"}
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("train")
+
+
+def _env(workdir: Path) -> dict:
+    env = dict(os.environ)
+    wandb_dir = str(workdir / "wandb_home")
+    env.update(
+        WANDB_MODE="offline", WANDB_DIR=wandb_dir, WANDB_CONFIG_DIR=wandb_dir, WANDB_CACHE_DIR=wandb_dir,
+        WANDB_DATA_DIR=wandb_dir, WANDB_SILENT="true", PYTHONPATH=str(REPO), TOKENIZERS_PARALLELISM="false",
+    )
+    env.pop("FLASHQLA_BACKEND", None)
+    return env
+
+
+def _overrides(workdir: Path, run_dir: Path, *extra: str) -> list[str]:
+    return [
+        "experiment=cpu_smoke", f"run_dir={run_dir}", f"data.cache_dir={workdir / 'data_cache'}",
+        "data.embedded_documents=300", "train.tokens_per_micro_batch=512", "train.seq_len=256",
+        "train.warmup_steps=2", *extra,
+    ]
+
+
+def _torchrun(nproc: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+
+
+def _run(command: list[str], workdir: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+    result = subprocess.run(command, cwd=REPO, env=_env(workdir), capture_output=True, text=True, timeout=timeout)
+    if result.returncode != 0:
+        print(result.stdout[-4000:], result.stderr[-8000:], sep="\n")
+    return result
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if "loss" in r]
+
+
+@pytest.fixture(scope="module")
+def straight_run(workdir):
+    """8 steps on 2 ranks, ZeRO-2, W&B offline, a checkpoint every 4 steps (keeping 1)."""
+    run_dir = workdir / "straight"
+    result = _run(
+        _torchrun(2) + [PRETRAIN] + _overrides(
+            workdir, run_dir, "train.steps=8", "train.checkpoint_every=4", "train.keep_checkpoints=1",
+            "logger.mode=offline",
+        ),
+        workdir,
+    )
+    assert result.returncode == 0
+    return run_dir
+
+
+def test_two_ranks_zero2_train_and_log_every_step(straight_run):
+    records = _metrics(straight_run)
+    assert [r["step"] for r in records] == list(range(1, 9))
+    for record in records:
+        assert STEP_KEYS <= record.keys()
+        assert math.isfinite(record["loss"]) and record["grad_norm"] > 0 and record["tokens_per_s"] > 0
+        assert record["peak_memory_gib"] > 0
+    assert records[-1]["loss"] < records[0]["loss"] - 0.3
+    assert records[0]["lr"] == pytest.approx(3e-3 / 2)  # warmup step 1 of 2
+    # the cosine ends at lr * min_lr_ratio on the last step
+    assert records[-1]["lr"] == pytest.approx(3e-3 * 0.1)
+    assert (straight_run / "config.yaml").is_file()
+
+
+def test_wandb_offline_run_files_exist(straight_run):
+    runs = list((straight_run / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    assert list(runs[0].glob("run-*.wandb"))
+    run_id = (straight_run / "wandb_run_id.txt").read_text().strip()
+    assert runs[0].name.endswith(run_id)
+
+
+def test_checkpoints_and_hf_export(straight_run):
+    from qwen_hybrid import QwenHybridForCausalLM
+
+    checkpoints = straight_run / "checkpoints"
+    assert (checkpoints / "latest").read_text().strip() == "step_00000008"
+    assert sorted(p.name for p in checkpoints.glob("step_*")) == ["step_00000008"]  # keep_checkpoints=1
+    assert {f"rng_rank{r}.pt" for r in (0, 1)} <= {p.name for p in (checkpoints / "step_00000008").iterdir()}
+    model = QwenHybridForCausalLM.from_pretrained(straight_run / "hf_final", gdn_backend="torch")
+    ids = torch.randint(0, 256, (1, 64))
+    assert torch.isfinite(model(ids, labels=ids).loss)
+
+
+def test_stop_and_resume_reproduces_the_loss_trajectory(straight_run, workdir):
+    run_dir = workdir / "resumed"
+    port = 29500 + os.getpid() % 2000
+    first_half = _run(
+        [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(port), PRETRAIN]
+        + _overrides(workdir, run_dir, "train.steps=8", "train.stop_at_step=4", "logger.mode=disabled"),
+        workdir,
+    )
+    assert first_half.returncode == 0
+    assert [r["step"] for r in _metrics(run_dir)] == [1, 2, 3, 4]
+    assert not (run_dir / "hf_final").exists()
+    second_half = _run(
+        _torchrun(2) + [PRETRAIN] + _overrides(workdir, run_dir, "train.steps=8", f"train.resume={run_dir}",
+                                               "logger.mode=disabled"),
+        workdir,
+    )
+    assert second_half.returncode == 0
+    straight, resumed = _metrics(straight_run), _metrics(run_dir)
+    assert [r["step"] for r in resumed] == list(range(1, 9))
+    for a, b in zip(straight, resumed):
+        assert (a["step"], a["loss"], a["lr"], a["grad_norm"]) == (b["step"], b["loss"], b["lr"], b["grad_norm"])
+
+
+def test_sigterm_saves_a_checkpoint_and_stops(workdir):
+    run_dir = workdir / "sigterm"
+    command = [sys.executable, PRETRAIN] + _overrides(
+        workdir, run_dir, "train.steps=100000", "train.checkpoint_every=0", "logger.mode=disabled"
+    )
+    process = subprocess.Popen(command, cwd=REPO, env=_env(workdir), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.time() + 240
+    metrics_file = run_dir / "metrics.jsonl"
+    while time.time() < deadline and process.poll() is None:
+        if metrics_file.exists() and len(metrics_file.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.5)
+    assert process.poll() is None, process.stdout.read().decode()[-4000:]
+    process.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGTERM, output.decode()[-4000:]
+    last_step = _metrics(run_dir)[-1]["step"]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{last_step:08d}"
+    point = find_resume_point("auto", str(run_dir))
+    assert point.tag == f"step_{last_step:08d}"
+
+
+def test_kernel_timing_and_backend_comparison(workdir):
+    run_dir = workdir / "compare"
+    result = _run(
+        [sys.executable, PRETRAIN] + _overrides(
+            workdir, run_dir, "train.steps=4", "benchmark.compare_backends=[torch,auto]", "benchmark.warmup_steps=0",
+            "train.activation_checkpointing=true", "logger.mode=disabled", "train.export_hf=false",
+        ),
+        workdir,
+    )
+    assert result.returncode == 0
+    records = _metrics(run_dir)
+    assert [r["gdn_backend"] for r in records] == ["torch", "auto", "torch", "auto"]
+    for record in records:
+        assert KERNEL_KEYS <= record.keys()
+        for key in KERNEL_KEYS - {"time/rest_s"}:
+            assert record[key] > 0, key  # recompute too: activation checkpointing is on
+        assert sum(record[k] for k in KERNEL_KEYS) == pytest.approx(record["step_time_s"])
+    for record in records[1::2]:
+        assert record["compare/auto_over_torch/step_time"] > 0
+        assert record["compare/auto_over_torch/gdn_bwd"] > 0
+    summary = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["comparison_summary"]
+    assert summary["columns"] == ["quantity", "torch_s", "auto_s", "auto_over_torch"]
+    assert {row[0] for row in summary["rows"]} >= {"step_time", "gdn_fwd", "attention_bwd"}
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.lr=-1", "config error: train.lr=-1: expected a number >= 0.0"),
+        ("train.no_such_key=1", "Key 'no_such_key' is not in struct"),
+        ("model=5B", "Could not find 'model/5B'"),
+    ],
+)
+def test_bad_override_fails_at_start_naming_the_key(workdir, override, message):
+    result = subprocess.run(
+        [sys.executable, PRETRAIN, override], cwd=REPO, env=_env(workdir), capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode != 0
+    assert message in result.stderr
+
+
+def _compose(*overrides: str):
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        return compose("pretrain", overrides=list(overrides))
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("train.steps=0", "train.steps=0"),
+        ("train.steps=ten", "train.steps='ten'"),
+        ("train.seq_len=9000", "train.seq_len=9000"),
+        ("train.min_lr_ratio=2", "train.min_lr_ratio=2"),
+        ("train.precision=fp8", "train.precision='fp8'"),
+        ("train.betas=[0.9]", "train.betas="),
+        ("train.resume=/nonexistent/run", "train.resume='/nonexistent/run'"),
+        ("train.resume=auto", "train.resume='auto' needs run_dir"),
+        ("model.gdn_backend=triton", "model.gdn_backend='triton'"),
+        ("model.init_from=/nonexistent", "model.init_from='/nonexistent'"),
+        ("data.path=/nonexistent", "data.path='/nonexistent'"),
+        ("deepspeed.zero_stage=4", "deepspeed.zero_stage=4"),
+        ("deepspeed=zero2_offload", None),
+        ("deepspeed.offload_param=true", "deepspeed.offload_param=true"),
+        ("logger.mode=online-ish", "logger.mode='online-ish'"),
+        ("parallel.tp=2", "parallel.tp=2: tensor parallelism is not available yet"),
+        ("benchmark.compare_backends=[tilelang]", "benchmark.compare_backends=['tilelang']"),
+        ("benchmark.compare_backends=[tilelang,cuda]", "benchmark.compare_backends[1]='cuda'"),
+    ],
+)
+def test_config_validation_names_the_key(override, key):
+    cfg = _compose(override)
+    if key is None:
+        validate_config(cfg)
+        return
+    with pytest.raises(ConfigError) as error:
+        validate_config(cfg)
+    assert str(error.value).startswith(key)
+
+
+def test_every_experiment_preset_composes_and_validates():
+    for preset in sorted((REPO / "configs" / "experiment").glob("*.yaml")):
+        cfg = _compose(f"experiment={preset.stem}")
+        validate_config(cfg)
+
+
+def test_deepspeed_config_follows_the_groups():
+    config = deepspeed_config(_compose("deepspeed=zero3_offload", "train.gradient_accumulation=4"), on_cuda=True)
+    assert config["zero_optimization"]["stage"] == 3
+    assert config["zero_optimization"]["offload_param"]["device"] == "cpu"
+    assert config["optimizer"]["type"] == "AdamW" and config["gradient_accumulation_steps"] == 4
+    assert config["bf16"]["enabled"] is True
+    merged = deepspeed_config(_compose("+deepspeed.overrides.zero_optimization.reduce_bucket_size=1000"), on_cuda=False)
+    assert merged["zero_optimization"] == {"stage": 2, "overlap_comm": False, "contiguous_gradients": True,
+                                           "reduce_bucket_size": 1000}
+    assert "optimizer" not in merged
+
+
+def test_lr_schedule_warms_up_then_decays_to_the_floor():
+    values = [lr_multiplier(s, warmup_steps=10, total_steps=110, min_lr_ratio=0.1) for s in range(110)]
+    assert values[0] == pytest.approx(0.1) and values[9] == pytest.approx(1.0)
+    assert values[10] == pytest.approx(1.0) and values[-1] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(values[10:], values[11:]))
+    assert lr_multiplier(0, warmup_steps=0, total_steps=1, min_lr_ratio=0.0) == 1.0
+
+
+def test_resume_point_errors_name_the_key(tmp_path):
+    with pytest.raises(ValueError, match="train.resume=.*no checkpoint there"):
+        find_resume_point(str(tmp_path), None)
+    assert find_resume_point("auto", str(tmp_path)) is None
