@@ -59,9 +59,17 @@ def float64_gradients(inputs, do, dht):
     return torch.autograd.grad(loss, [args[n] for n in names])
 
 
+def poison_allocator():
+    """Fill the caching allocator's free blocks with NaN so that unwritten outputs show."""
+    free = torch.cuda.mem_get_info()[0]
+    junk = torch.empty(min(free // 4, 8 << 30) // 4, dtype=torch.float32, device="cuda").fill_(float("nan"))
+    del junk
+
+
 def run_backward(inputs, do, dht):
     from flashqla.hopper.backward import backward
 
+    poison_allocator()
     scale = 128 ** -0.5
     return backward(inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"], scale,
                     inputs["initial_state"], inputs["cu_seqlens"], do, dht)
