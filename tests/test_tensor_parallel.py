@@ -95,6 +95,7 @@ class _GlooWorld:
 def _serve(rank: int, world_size: int, port: int, tasks, results) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))  # DeepSpeed reads them
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     while (task := tasks.get()) is not None:
@@ -388,3 +389,50 @@ def test_shards_of_every_rank_tile_each_parameter_exactly_once():
         assert torch.all(first_copies == 1), name
     assert plans[0].local_heads["model.layers.0.linear_attn"] == {"num_k_heads": 2, "num_v_heads": 4}
     assert plans[0].local_heads["model.layers.3.self_attn"] == {"num_heads": 2, "num_kv_heads": 1}
+
+
+def _check_deepspeed_zero_over_data_parallel_group(zero_stage: int, num_steps: int) -> None:
+    """tp = 2 x dp = 2 under DeepSpeed ZeRO with `mpu=groups` follows the unsharded model trained on
+    the mean loss of both data-parallel batches; DeepSpeed's gradient norm counts each shard once."""
+    import deepspeed
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no JIT build of the CPU allreduce
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    groups = init_parallel_groups(2)
+    config = _tiny_config()
+    reference = _random_model(config, seed=6)
+    model = shard_model(copy.deepcopy(reference), groups)
+    ds_config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": zero_stage},
+        "zero_allow_untested_optimizer": True,
+        "gradient_clipping": 1e6,  # never clips, but makes DeepSpeed compute the global norm
+    }
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config, mpu=groups)
+    assert engine.dp_world_size == 2
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=3e-3, weight_decay=0.0)
+    for step in range(num_steps):
+        batches = [_packed_batch(config, seed=100 * step + dp) for dp in range(groups.dp_size)]
+        input_ids, cu_seqlens, labels = batches[groups.dp_rank]
+        loss = engine(input_ids, cu_seqlens=cu_seqlens, labels=labels).loss
+        engine.backward(loss)
+        engine.step()
+
+        reference_losses = [reference(ids, cu_seqlens=cu, labels=lab).loss for ids, cu, lab in batches]
+        torch.stack(reference_losses).mean().backward()
+        reference_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in reference.parameters()]))
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+
+        expected_loss = reference_losses[groups.dp_rank]
+        assert relative_error(loss.detach(), expected_loss.detach()) <= 1e-5, (step, loss.item(), expected_loss.item())
+        grad_norm = torch.tensor(float(engine.get_global_grad_norm()))
+        assert relative_error(grad_norm, reference_norm) <= 1e-4, (step, grad_norm.item(), reference_norm.item())
+
+
+@pytest.mark.parametrize("zero_stage", [1, 2])
+def test_deepspeed_zero_with_tp2_dp2_follows_unsharded(world4, zero_stage):
+    world4.run(_check_deepspeed_zero_over_data_parallel_group, zero_stage, 3)
