@@ -19,12 +19,11 @@ import torch.multiprocessing as mp
 
 from flashqla.testing import relative_error
 from qwen_hybrid import QwenHybridConfig, QwenHybridForCausalLM
-from qwen_hybrid import checkpoint_io
 from qwen_hybrid.parallel import (
-    gather_full_state_dict,
     init_parallel_groups,
     load_sharded_hf_checkpoint,
     plan_tensor_parallel,
+    save_hf_checkpoint,
     shard_model,
 )
 from qwen_hybrid.parallel.vocab import vocab_parallel_cross_entropy
@@ -236,7 +235,7 @@ def test_tp4_with_replicated_kv_heads_and_activation_checkpointing_matches_unsha
     world4.run(_check_matches_unsharded, TP4_OVERRIDES, True)
 
 
-def _check_training_follows_unsharded(num_steps: int) -> None:
+def _check_training_follows_unsharded(num_steps: int, directory: str) -> None:
     groups = init_parallel_groups(dist.get_world_size())
     config = _tiny_config()
     reference = _random_model(config, seed=3)
@@ -255,15 +254,19 @@ def _check_training_follows_unsharded(num_steps: int) -> None:
     expected, got = torch.tensor(losses["unsharded"]), torch.tensor(losses["sharded"])
     assert expected[-1] < expected[0], f"the reference run did not learn: {expected.tolist()}"
     assert relative_error(got, expected) <= 1e-5, (got.tolist(), expected.tolist())
-    # the shards still assemble into the unsharded weights after the updates
-    full = gather_full_state_dict(model, groups)
-    if groups.tp_rank == 0:
-        for name, tensor in reference.state_dict().items():
-            assert relative_error(full[name], tensor) <= 1e-5, name
+    # the shards still assemble into the unsharded weights after the updates, and load back
+    save_hf_checkpoint(model, groups, directory)
+    dist.barrier()
+    saved = QwenHybridForCausalLM.from_pretrained(directory, gdn_backend="torch").state_dict()
+    for name, tensor in reference.state_dict().items():
+        assert relative_error(saved[name], tensor) <= 1e-5, name
+    reloaded = load_sharded_hf_checkpoint(directory, groups, gdn_backend="torch").state_dict()
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(reloaded[name], tensor), name
 
 
-def test_tp2_optimizer_steps_follow_unsharded_loss_curve(world2):
-    world2.run(_check_training_follows_unsharded, 6)
+def test_tp2_optimizer_steps_follow_unsharded_loss_curve_and_save_unsharded(world2, tmp_path):
+    world2.run(_check_training_follows_unsharded, 6, str(tmp_path))
 
 
 def _check_hf_load_into_shards(directory: str, tie_word_embeddings: bool) -> None:
@@ -433,6 +436,6 @@ def _check_deepspeed_zero_over_data_parallel_group(zero_stage: int, num_steps: i
         assert relative_error(grad_norm, reference_norm) <= 1e-4, (step, grad_norm.item(), reference_norm.item())
 
 
-@pytest.mark.parametrize("zero_stage", [1, 2])
+@pytest.mark.parametrize("zero_stage", [1, 2, 3])
 def test_deepspeed_zero_with_tp2_dp2_follows_unsharded(world4, zero_stage):
     world4.run(_check_deepspeed_zero_over_data_parallel_group, zero_stage, 3)

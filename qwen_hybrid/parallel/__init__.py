@@ -4,10 +4,11 @@
     model = shard_model(QwenHybridForCausalLM(config), groups)
     # or: model = load_sharded_hf_checkpoint(path, groups, dtype=torch.bfloat16, device="cuda")
     engine, *_ = deepspeed.initialize(model=model, ..., mpu=groups)   # ZeRO over the dp group
+    save_hf_checkpoint(engine.module, groups, out_dir)                  # gathers the shards
 
 Every rank of a tensor-parallel group must see the same batch (shard data by `groups.dp_rank`).
 """
-from qwen_hybrid.parallel.checkpoint import load_sharded_hf_checkpoint
+from qwen_hybrid.parallel.checkpoint import load_sharded_hf_checkpoint, save_hf_checkpoint
 from qwen_hybrid.parallel.groups import ParallelGroups, init_parallel_groups
 from qwen_hybrid.parallel.sharding import gather_full_state_dict, plan_tensor_parallel, shard_model
 
@@ -17,5 +18,6 @@ __all__ = [
     "init_parallel_groups",
     "load_sharded_hf_checkpoint",
     "plan_tensor_parallel",
+    "save_hf_checkpoint",
     "shard_model",
 ]

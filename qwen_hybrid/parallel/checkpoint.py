@@ -1,5 +1,6 @@
-"""Load an HF Qwen3.5 checkpoint straight into tensor-parallel shards: each rank reads only the
-slices it holds (safetensors slice reads), and no rank ever materialises the full model."""
+"""HF Qwen3.5 checkpoints and tensor-parallel shards: loading reads only each rank's slices
+(safetensors slice reads, no rank materialises the full model); saving gathers the shards of one
+data-parallel replica and writes what `save_pretrained` of the unsharded model would."""
 from __future__ import annotations
 
 import os
@@ -11,7 +12,12 @@ from qwen_hybrid import checkpoint_io
 from qwen_hybrid.config import QwenHybridConfig
 from qwen_hybrid.model import QwenHybridForCausalLM
 from qwen_hybrid.parallel.groups import ParallelGroups
-from qwen_hybrid.parallel.sharding import attach_tensor_parallel, cut_to_local_shards, plan_tensor_parallel
+from qwen_hybrid.parallel.sharding import (
+    attach_tensor_parallel,
+    cut_to_local_shards,
+    gather_full_state_dict,
+    plan_tensor_parallel,
+)
 
 
 def load_sharded_hf_checkpoint(
@@ -77,3 +83,27 @@ def load_sharded_hf_checkpoint(
         model.lm_head.weight = model.model.embed_tokens.weight
     attach_tensor_parallel(model, plan, groups)
     return model
+
+
+def save_hf_checkpoint(
+    model: QwenHybridForCausalLM, groups: ParallelGroups, path: str | os.PathLike, max_shard_bytes: int = 5 * 1024**3
+) -> None:
+    """Write the unsharded weights of a (possibly sharded) model as an HF checkpoint at `path`.
+
+    Collective over the tensor-parallel group of data-parallel replica 0 (other replicas return at
+    once); its first rank gathers the full tensors on CPU and writes. Under ZeRO-3 call it inside
+    `deepspeed.zero.GatheredParameters(model.parameters())`.
+    """
+    if groups.dp_rank != 0:
+        return
+    if getattr(model, "tensor_parallel_plan", None) is None:
+        model.save_pretrained(path, max_shard_bytes=max_shard_bytes)
+        return
+    state = gather_full_state_dict(model, groups)
+    if groups.tp_rank != 0:
+        return
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    hf_config = model.config.to_hf()
+    hf_config["dtype"] = str(model.model.embed_tokens.weight.dtype).removeprefix("torch.")
+    checkpoint_io.save(path, hf_config, state, max_shard_bytes=max_shard_bytes)
