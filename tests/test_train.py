@@ -178,7 +178,10 @@ def test_kernel_timing_and_backend_comparison(workdir):
     for record in records[1::2]:
         assert record["compare/auto_over_torch/step_time"] > 0
         assert record["compare/auto_over_torch/gdn_bwd"] > 0
-    summary = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["comparison_summary"]
+    extra = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()[-2:]]
+    summary = extra[0]["comparison_summary"]
+    run_summary = extra[1]["run_summary"]
+    assert run_summary["steps"] == 4 and run_summary["median_gdn_bwd_s"] > 0 and run_summary["peak_memory_gib"] > 0
     assert summary["columns"] == ["quantity", "torch_s", "auto_s", "auto_over_torch"]
     assert {row[0] for row in summary["rows"]} >= {"step_time", "gdn_fwd", "attention_bwd"}
 

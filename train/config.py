@@ -88,6 +88,7 @@ def validate_config(cfg: DictConfig) -> None:
     _integer("train.loss_chunk_size", train.loss_chunk_size, 1)
     _integer("train.checkpoint_every", train.checkpoint_every, 0)
     _integer("train.keep_checkpoints", train.keep_checkpoints, 1)
+    _boolean("train.checkpoint_at_exit", train.checkpoint_at_exit)
     if train.stop_at_step is not None:
         _integer("train.stop_at_step", train.stop_at_step, 1)
     _boolean("train.export_hf", train.export_hf)

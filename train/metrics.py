@@ -192,6 +192,29 @@ class MetricsLog:
                 step=step,
             )
 
+    def log_run_summary(self, records: list[dict], warmup_steps: int) -> None:
+        """Medians over this process's steps after the first `warmup_steps` (compilation, allocator
+        warmup), peak memory over all of them: one line in metrics.jsonl and on the console."""
+        timed = records[warmup_steps:] or records
+        if not timed:
+            return
+        summary = {
+            "steps": len(timed),
+            "median_step_time_s": statistics.median(r["step_time_s"] for r in timed),
+            "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
+            "peak_memory_gib": max(r["peak_memory_gib"] for r in records),
+        }
+        if "peak_memory_reserved_gib" in records[0]:
+            summary["peak_memory_reserved_gib"] = max(r["peak_memory_reserved_gib"] for r in records)
+        for key in KERNEL_TIME_KEYS + ("time/rest_s",):
+            if key in timed[0]:
+                summary["median_" + key.removeprefix("time/")] = statistics.median(r[key] for r in timed)
+        self._file.write(json.dumps({"step": records[-1]["step"], "run_summary": summary}) + "\n")
+        self._file.flush()
+        print("run summary: " + ", ".join(f"{k}={v:.4g}" for k, v in summary.items()), flush=True)
+        if self.wandb_run is not None:
+            self.wandb_run.summary.update(summary)
+
     def close(self) -> None:
         self._file.close()
         if self.wandb_run is not None:

@@ -220,6 +220,7 @@ def train(cfg: DictConfig) -> int:
     start_step = state.step
     progress = tqdm(total=train_cfg.steps, initial=state.step, desc="train", disable=rank != 0, dynamic_ncols=True)
     exit_code = 0
+    step_records: list[dict] = []
     try:
         while state.step < last_step:
             step = state.step + 1
@@ -271,6 +272,8 @@ def train(cfg: DictConfig) -> int:
                 "tokens_per_s": tokens_per_step / step_time,
                 "step_time_s": step_time,
                 "peak_memory_gib": peak_memory_gib(device),
+                **({"peak_memory_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30}
+                   if device.type == "cuda" else {}),
                 "tokens_seen": state.tokens_seen,
             }
             if timer is not None:
@@ -283,11 +286,13 @@ def train(cfg: DictConfig) -> int:
                 record.update(comparison.record(step, times))
             if metrics is not None:
                 metrics.log(record)
+                step_records.append(record)
             progress.update(1)
             progress.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
 
             checkpoint_due = train_cfg.checkpoint_every > 0 and step % train_cfg.checkpoint_every == 0
-            if checkpoint_due or stop_now or step == last_step:
+            exiting = stop_now or step == last_step
+            if checkpoint_due or (exiting and train_cfg.checkpoint_at_exit):
                 save_checkpoint(engine, run_dir, state, train_cfg.keep_checkpoints)
                 saved_step = step
             if stop_now:
@@ -302,7 +307,7 @@ def train(cfg: DictConfig) -> int:
     except BaseException:
         # With several ranks a failure may leave the others blocked in a collective, where saving
         # would hang; the last periodic checkpoint stays valid either way.
-        if world_size == 1 and state.step > start_step and saved_step != state.step:
+        if world_size == 1 and state.step > start_step and saved_step != state.step and train_cfg.checkpoint_at_exit:
             log.warning(f"saving a checkpoint at step {state.step} before exiting on the error")
             save_checkpoint(engine, run_dir, state, train_cfg.keep_checkpoints)
         raise
@@ -311,6 +316,7 @@ def train(cfg: DictConfig) -> int:
         if timer is not None:
             timer.remove()
         if metrics is not None:
+            metrics.log_run_summary(step_records, cfg.benchmark.warmup_steps)
             metrics.close()
     if rank == 0:
         log.info(f"done: step {state.step}, run directory {run_dir}")
