@@ -84,27 +84,28 @@ def implementations(baselines: list[str]) -> dict:
 
 
 def forward_breakdown(inputs: dict, rep_ms: int) -> dict:
-    """Median ms of each stage of our forward (cumsum, inverse, planning, fused kernel)."""
+    """Median ms of each stage of our forward (cumsum, gated products, planning, fused kernel)."""
     from triton.testing import do_bench
 
     from flashqla import hopper
     from flashqla.hopper.chunk_plan import chunk_indices, chunk_offsets, plan_pieces, walk_starts
+    from flashqla.hopper.inverse import gated_products
 
     q, k, v, g, beta = (inputs[n][0] for n in ("q", "k", "v", "g", "beta"))
     cu = inputs["cu_seqlens"]
     num_tokens, num_v_heads = g.shape
     index, offsets = chunk_indices(cu), chunk_offsets(cu)
     gamma = hopper.chunk_local_cumsum(g[None], cu, chunk_index=index).view(num_tokens, num_v_heads)
-    inverse = hopper.gate_free_inverse(k[None], beta[None], cu, chunk_index=index).view(num_tokens, num_v_heads, 64)
+    gated_inverse, scores = gated_products(q, k, gamma, beta, 128 ** -0.5, cu, index)
     sm_count = torch.cuda.get_device_properties().multi_processor_count
     value_block = hopper.MAX_VALUE_BLOCK
     pieces = plan_pieces(cu, num_v_heads, 128 // value_block, sm_count)
     walk = walk_starts(pieces, cu, gamma)
     stages = {
         "cumsum": lambda: hopper.chunk_local_cumsum(g[None], cu, chunk_index=index),
-        "inverse": lambda: hopper.gate_free_inverse(k[None], beta[None], cu, chunk_index=index),
+        "products": lambda: gated_products(q, k, gamma, beta, 128 ** -0.5, cu, index),
         "plan": lambda: (chunk_indices(cu), chunk_offsets(cu), walk_starts(plan_pieces(cu, num_v_heads, 2, sm_count), cu, gamma)),
-        "fused": lambda: hopper.fused_forward(q, k, v, gamma, beta, inverse, 128 ** -0.5, inputs["initial_state"], cu,
+        "fused": lambda: hopper.fused_forward(q, k, v, gamma, gated_inverse, scores, 128 ** -0.5, inputs["initial_state"], cu,
                                              value_block, pieces, walk, offsets=offsets),
     }
     result = {name: do_bench(fn, warmup=10, rep=rep_ms, return_mode="median") for name, fn in stages.items()}

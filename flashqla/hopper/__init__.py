@@ -2,7 +2,8 @@
 
 `forward` is the entry the public op calls with validated inputs (q, k already L2-normalised
 when asked). Kernel files: cumsum.py (chunk-local cumsum of g), inverse.py (gate-free inverse per
-chunk), fused_forward.py (o and final state), chunk_states.py (state-only X/Y recurrence).
+chunk, and the gated products the fused kernel reads), fused_forward.py (o and final state),
+chunk_states.py (state-only X/Y recurrence), chunk_plan.py (pieces, V split).
 """
 
 import torch
@@ -12,7 +13,7 @@ from flashqla.hopper.chunk_plan import (
 )
 from flashqla.hopper.cumsum import chunk_local_cumsum
 from flashqla.hopper.fused_forward import MAX_VALUE_BLOCK, fused_forward
-from flashqla.hopper.inverse import gate_free_inverse
+from flashqla.hopper.inverse import gated_products
 
 SUPPORTED_HEAD_DIM = 128
 SUPPORTED_INPUT_DTYPES = (torch.bfloat16, torch.float16)
@@ -59,7 +60,7 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
     offsets = chunk_offsets(cu_seqlens)
     gamma = chunk_local_cumsum(g.reshape(1, num_tokens, num_v_heads), cu_seqlens, chunk_index=chunk_index)
     gamma = gamma.view(num_tokens, num_v_heads)
-    inverse = gate_free_inverse(k_flat.unsqueeze(0), beta_flat.unsqueeze(0), cu_seqlens, chunk_index=chunk_index)
+    gated_inverse, scores = gated_products(q_flat, k_flat, gamma, beta_flat, scale, cu_seqlens, chunk_index)
 
     sm_count = device_sm_count(q.device)
     value_block = MAX_VALUE_BLOCK
@@ -71,7 +72,7 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
     walk = walk_starts(pieces, cu_seqlens, gamma, log_decay_threshold)
     h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
     o, final_state, _ = fused_forward(
-        q_flat, k_flat, v_flat, gamma, beta_flat, inverse.view(num_tokens, num_v_heads, -1), scale, h0,
+        q_flat, k_flat, v_flat, gamma, gated_inverse, scores, scale, h0,
         cu_seqlens, value_block, pieces, walk, offsets=offsets)
     o = o.view(batch_size, seq_len, num_v_heads, head_dim)
     return o, (final_state if output_final_state else None)

@@ -1,24 +1,29 @@
 """Backward of the chunked gated delta rule on Hopper: the entry the autograd Function calls.
 
-Recomputes what the forward did not keep (gamma, the gate-free inverse, the bf16 state entering
-every chunk, via the state-only kernel), then runs the fused reverse-walking kernel
-(backward_fused.py) and adds up its per-V-block and per-value-head shares in torch, which keeps
-the result deterministic (no atomics).
+1. Recompute what the forward did not keep: gamma, the gate-free inverse, and the bf16 state
+   entering every chunk (state-only kernel, chunk_states.py).
+2. Walk the chunks in reverse for the state gradient leaving every chunk, and dh0
+   (backward_state_grads.py; the only sequential part, light: four small products per chunk).
+3. Every chunk in parallel: dq, dk, dv, dg, dbeta (backward_fused.py).
+dq and dk come per value head and are summed over each head group in torch, which keeps the
+result deterministic (no atomics).
 """
 
 import torch
 
 from flashqla.hopper.backward_fused import HEAD_DIM, compile_fused_backward, fused_backward
+from flashqla.hopper.backward_state_grads import compile_state_grads, state_gradients
 from flashqla.hopper.chunk_plan import chunk_indices, chunk_offsets, device_sm_count, flat_cu_seqlens, value_block_size
 from flashqla.hopper.chunk_states import chunk_states
 from flashqla.hopper.cumsum import chunk_local_cumsum
 from flashqla.hopper.inverse import gate_free_inverse
 
-# The fused kernel keeps a K x BV state gradient and C x BV tiles in registers; 128 spills.
+# Widest V block of the sequential walks: narrower blocks give more CTAs on the critical path.
 MAX_VALUE_BLOCK = 64
 
 COMPILE_CHECKS = [
-    ("fused_backward", lambda: compile_fused_backward(64)),
+    ("backward_state_grads", lambda: compile_state_grads(32)),
+    ("fused_backward", compile_fused_backward),
 ]
 
 
@@ -64,21 +69,20 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht):
 
     busy_sequences = max(int((cu_seqlens[1:] > cu_seqlens[:-1]).sum().item()), 1)
     value_block = value_block_size(busy_sequences, num_v_heads, HEAD_DIM, device_sm_count(device), MAX_VALUE_BLOCK)
-    states, _, _ = chunk_states(k_flat, v_flat, gamma.view(num_tokens, num_v_heads), beta_flat, inverse, h0,
-                                cu_seqlens, value_block=value_block)
+    gamma = gamma.view(num_tokens, num_v_heads)
+    states, _, _ = chunk_states(k_flat, v_flat, gamma, beta_flat, inverse, h0, cu_seqlens, value_block=value_block)
 
     if dht is None:
         dht = torch.zeros(num_sequences, num_v_heads, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=device)
     dht = dht.to(torch.float32).contiguous()
-    dq_part, dk_part, dv, dg_part, dbeta_part, dh0 = fused_backward(
-        q_flat, k_flat, v_flat, g_flat, beta_flat, inverse, states, do_flat, dht, scale, cu_seqlens, offsets,
-        value_block)
+    state_grads, dh0 = state_gradients(q_flat, k_flat, gamma, beta_flat, inverse, do_flat, dht, scale, cu_seqlens,
+                                       offsets, chunk_index.shape[0], value_block)
+    dq_head, dk_head, dv, dg, dbeta = fused_backward(q_flat, k_flat, v_flat, gamma, beta_flat, inverse, states,
+                                                     state_grads, do_flat, scale, cu_seqlens, chunk_index)
 
-    # Deterministic reductions: over V blocks, then over the value heads sharing a q/k head.
-    dq = dq_part.sum(0).view(num_tokens, num_qk_heads, group, HEAD_DIM).sum(2)
-    dk = dk_part.sum(0).view(num_tokens, num_qk_heads, group, HEAD_DIM).sum(2)
-    dg = dg_part.sum(0)
-    dbeta = dbeta_part.sum(0)
+    # Deterministic reduction over the value heads sharing a q/k head.
+    dq = dq_head.view(num_tokens, num_qk_heads, group, HEAD_DIM).sum(2)
+    dk = dk_head.view(num_tokens, num_qk_heads, group, HEAD_DIM).sum(2)
     return (
         dq.view(q.shape).to(q.dtype),
         dk.view(k.shape).to(k.dtype),

@@ -10,11 +10,12 @@ import importlib
 from flashqla.hopper.chunk_states import compile_chunk_states
 from flashqla.hopper.cumsum import compile_cumsum
 from flashqla.hopper.fused_forward import compile_fused_forward
-from flashqla.hopper.inverse import compile_inverse
+from flashqla.hopper.inverse import compile_gated_products, compile_inverse
 
 FORWARD_COMPILE_CHECKS = [
     ("chunk_local_cumsum", lambda: compile_cumsum()),
     ("gate_free_inverse", lambda: compile_inverse()),
+    ("gated_products", lambda: compile_gated_products()),
     ("fused_forward", lambda: compile_fused_forward(64)),
     ("chunk_states", lambda: compile_chunk_states(64, with_transition=True)),
 ]

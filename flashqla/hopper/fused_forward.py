@@ -3,8 +3,10 @@
 One CTA per (piece, value head, V block) walks 64-token chunks in order with the fp32 state S
 (K x BV) in registers. Per chunk, with gamma the chunk-local cumsum of g:
 
-    U = K S0;  W = V - D U;  Delta = (Gm * A~ * beta_col) W
-    O = scale (D Q S0 + (Gm * tril(Q K^T)) Delta);  S1 = e^{gamma_C} S0 + K^T (E Delta)
+    U = K S0;  W = V - D U;  Delta = Ab W;  O = scale D Q S0 + P Delta;  S1 = e^{gamma_C} S0 + K^T (E Delta)
+
+with Ab = Gm * A~ * beta_col and P = scale Gm * tril(Q K^T) built beforehand for every chunk in
+parallel (inverse.gated_products), so only the S-dependent products sit on the sequential walk.
 
 A piece is a run of whole chunks of one sequence (the whole sequence unless it is split for
 intra-card context parallelism). Its CTA starts walking at `walk_start` (a chunk boundary at or
@@ -12,8 +14,9 @@ before the piece start, from zero state, or from h0 at the sequence start) and w
 the piece's own chunks: the warm-up chunks rebuild the entering state (see chunk_plan.py).
 
 Whole 64-row tiles are loaded even past a sequence end (rows of the next sequence, or zeros past
-the tensor); those rows get beta = 0, E = 0 and gamma clamped to the sequence's last value, so they
-never reach valid rows or the state, and their o rows are not stored.
+the tensor). Valid rows of Ab and P are zero in those columns, those rows get E = 0 and gamma
+clamped to the sequence's last value, so they never reach valid rows or the state, and their o rows
+are not stored.
 
 Head counts, lengths and the scale are run-time values: one compiled kernel per (V block, dtype).
 """
@@ -37,8 +40,7 @@ MAX_VALUE_BLOCK = 64
 PIECE_FIELDS = 4
 
 
-def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype: str = "float32",
-                          head_dim: int = 128, store_chunk_states: bool = False, threads: int = 256,
+def fused_forward_program(value_block: int, dtype: str = "bfloat16", head_dim: int = 128, store_chunk_states: bool = False, threads: int = 256,
                           num_stages: int = 2):
     num_tokens = T.dynamic("num_tokens")
     num_sequences = T.dynamic("num_sequences")
@@ -57,8 +59,8 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
         k: T.Tensor((num_tokens, num_qk_heads, K), dtype),
         v: T.Tensor((num_tokens, num_v_heads, V), dtype),
         gamma: T.Tensor((num_tokens, num_v_heads), "float32"),
-        beta: T.Tensor((num_tokens, num_v_heads), beta_dtype),
-        inverse: T.Tensor((num_tokens, num_v_heads, _C), "bfloat16"),
+        gated_inverse: T.Tensor((num_tokens, num_v_heads, _C), dtype),
+        scores: T.Tensor((num_tokens, num_v_heads, _C), dtype),
         initial_state: T.Tensor((num_sequences, num_v_heads, K, V), "float32"),
         cu_seqlens: T.Tensor((num_sequences + 1,), "int32"),
         chunk_offsets: T.Tensor((num_sequences + 1,), "int32"),
@@ -84,22 +86,19 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
             q_shared = T.alloc_shared((_C, K), dtype)
             k_shared = T.alloc_shared((_C, K), dtype)
             v_shared = T.alloc_shared((_C, BV), dtype)
-            inverse_shared = T.alloc_shared((_C, _C), "bfloat16")
+            ab_shared = T.alloc_shared((_C, _C), dtype)
+            p_shared = T.alloc_shared((_C, _C), dtype)
             gamma_shared = T.alloc_shared((_C,), "float32")
-            beta_shared = T.alloc_shared((_C,), "float32")
             state_shared = T.alloc_shared((K, BV), dtype)
             w_shared = T.alloc_shared((_C, BV), dtype)
             delta_shared = T.alloc_shared((_C, BV), dtype)
             decayed_delta_shared = T.alloc_shared((_C, BV), dtype)
-            ab_shared = T.alloc_shared((_C, _C), dtype)
-            p_shared = T.alloc_shared((_C, _C), dtype)
             o_shared = T.alloc_shared((_C, BV), dtype)
 
             state = T.alloc_fragment((K, BV), "float32")
             u = T.alloc_fragment((_C, BV), "float32")
             out = T.alloc_fragment((_C, BV), "float32")
             delta = T.alloc_fragment((_C, BV), "float32")
-            qk = T.alloc_fragment((_C, _C), "float32")
             gamma_last = T.alloc_var("float32")
 
             if use_initial_state != 0 and walk == cu_seqlens[sequence]:
@@ -112,11 +111,11 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
                 T.copy(q[left:left + _C, qk_head, 0:K], q_shared)
                 T.copy(k[left:left + _C, qk_head, 0:K], k_shared)
                 T.copy(v[left:left + _C, head, v0:v0 + BV], v_shared)
-                T.copy(inverse[left:left + _C, head, 0:_C], inverse_shared)
+                T.copy(gated_inverse[left:left + _C, head, 0:_C], ab_shared)
+                T.copy(scores[left:left + _C, head, 0:_C], p_shared)
                 last = T.min(end - left, _C) - 1
                 for t in T.Parallel(_C):
                     gamma_shared[t] = gamma[left + T.min(t, last), head] * _LOG2E
-                    beta_shared[t] = T.if_then_else(t <= last, T.cast(beta[left + t, head], "float32"), 0.0)
 
                 T.copy(state, state_shared)
                 if store_chunk_states:
@@ -124,18 +123,10 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
                                                       0:K, v0:v0 + BV])
                 T.gemm(k_shared, state_shared, u, clear_accum=True)
                 T.gemm(q_shared, state_shared, out, clear_accum=True)
-                T.gemm(q_shared, k_shared, qk, transpose_B=True, clear_accum=True)
                 gamma_last = gamma_shared[_C - 1]
 
                 for t, j in T.Parallel(_C, BV):
                     w_shared[t, j] = v_shared[t, j] - T.exp2(gamma_shared[t]) * u[t, j]
-                for t, s in T.Parallel(_C, _C):
-                    ab_shared[t, s] = T.if_then_else(
-                        s <= t,
-                        T.exp2(gamma_shared[t] - gamma_shared[s]) * beta_shared[s] * inverse_shared[t, s],
-                        0.0)
-                    p_shared[t, s] = T.if_then_else(
-                        s <= t, T.exp2(gamma_shared[t] - gamma_shared[s]) * scale * qk[t, s], 0.0)
                 T.gemm(ab_shared, w_shared, delta, clear_accum=True)
                 for t, j in T.Parallel(_C, BV):
                     delta_shared[t, j] = delta[t, j]
@@ -164,9 +155,9 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
 
 
 @functools.lru_cache(maxsize=None)
-def compile_fused_forward(value_block: int, dtype: str = "bfloat16", beta_dtype: str = "float32",
-                          head_dim: int = 128, store_chunk_states: bool = False):
-    program = fused_forward_program(value_block, dtype, beta_dtype, head_dim, store_chunk_states)
+def compile_fused_forward(value_block: int, dtype: str = "bfloat16", head_dim: int = 128,
+                          store_chunk_states: bool = False):
+    program = fused_forward_program(value_block, dtype, head_dim, store_chunk_states)
     return tilelang.compile(program, target=HOPPER_TARGET, pass_configs=_PASS_CONFIGS)
 
 
@@ -174,14 +165,14 @@ def _dtype_name(tensor: torch.Tensor) -> str:
     return str(tensor.dtype).removeprefix("torch.")
 
 
-def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor,
-                  inverse: torch.Tensor, scale: float, initial_state: torch.Tensor | None,
+def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma: torch.Tensor,
+                  gated_inverse: torch.Tensor, scores: torch.Tensor, scale: float, initial_state: torch.Tensor | None,
                   cu_seqlens: torch.Tensor, value_block: int, pieces: torch.Tensor, walk_start: torch.Tensor,
                   store_chunk_states: bool = False, offsets: torch.Tensor | None = None):
     """(o, final_state, chunk_states or None) on flattened inputs.
 
-    q, k: [T, Hqk, K]; v: [T, Hv, V]; gamma (fp32 chunk-local cumsum), beta: [T, Hv];
-    inverse: [T, Hv, 64] bf16; initial_state: [N, Hv, K, V] fp32 or None; cu_seqlens: int32 [N+1];
+    q, k: [T, Hqk, K]; v: [T, Hv, V]; gamma (fp32 chunk-local cumsum): [T, Hv];
+    gated_inverse, scores: [T, Hv, 64] from inverse.gated_products; initial_state: [N, Hv, K, V] fp32 or None; cu_seqlens: int32 [N+1];
     pieces, walk_start: from chunk_plan.plan_pieces / walk_starts. chunk_states (bf16 states entering
     every chunk) needs one piece per sequence.
     """
@@ -199,7 +190,7 @@ def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma: torc
     total_chunks = int(offsets[-1].item()) if store_chunk_states else 1
     states = torch.empty(max(total_chunks, 1), num_v_heads, head_dim, head_dim, dtype=v.dtype, device=device)
     o = torch.empty_like(v)
-    kernel = compile_fused_forward(value_block, _dtype_name(v), _dtype_name(beta), head_dim, store_chunk_states)
-    kernel(q, k, v, gamma, beta, inverse, initial_state, cu_seqlens, offsets, pieces, walk_start, o, final_state,
+    kernel = compile_fused_forward(value_block, _dtype_name(v), head_dim, store_chunk_states)
+    kernel(q, k, v, gamma, gated_inverse, scores, initial_state, cu_seqlens, offsets, pieces, walk_start, o, final_state,
            states, float(scale), int(use_initial_state))
     return o, final_state, (states if store_chunk_states else None)
