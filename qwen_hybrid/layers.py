@@ -8,6 +8,7 @@ heads from outside only has to slice the weights and set those attributes.
 from __future__ import annotations
 
 import inspect
+import os
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +32,24 @@ def recompute_in_backward(function, *args):
     return function(*args)
 
 
+_COMPILE_ON_CUDA = os.environ.get("QWEN_HYBRID_COMPILE", "1") != "0"
+
+
+def fused(function):
+    """function, compiled by torch.compile (dynamic shapes) when its first argument is a CUDA
+    tensor: one fused kernel per chain instead of one pass per elementwise op. Eager elsewhere,
+    or everywhere with QWEN_HYBRID_COMPILE=0."""
+    compiled = torch.compile(function, dynamic=True)
+
+    def call(*args):
+        if _COMPILE_ON_CUDA and args[0].is_cuda:
+            return compiled(*args)
+        return function(*args)
+
+    call.__name__ = function.__name__
+    return call
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Zero-centred RMSNorm in float32: normalise, scale by (1 + weight), round once."""
     x_float = x.float()
@@ -45,6 +64,10 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     return (weight * normed * F.silu(gate.float())).to(x.dtype)
 
 
+_fused_rms_norm = fused(rms_norm)
+_fused_gated_rms_norm = fused(gated_rms_norm)
+
+
 class RMSNorm(nn.Module):
     """Zero-centred RMSNorm: the weight is stored as an offset from 1 (Qwen3.5's convention)."""
 
@@ -54,7 +77,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return recompute_in_backward(rms_norm, x, self.weight, self.eps)
+        return recompute_in_backward(_fused_rms_norm, x, self.weight, self.eps)
 
 
 class GatedRMSNorm(nn.Module):
@@ -66,16 +89,33 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return recompute_in_backward(gated_rms_norm, x, gate, self.weight, self.eps)
+        return recompute_in_backward(_fused_gated_rms_norm, x, gate, self.weight, self.eps)
+
+
+def causal_conv1d_silu(x: torch.Tensor, weight: torch.Tensor, position_in_doc: torch.Tensor | None) -> torch.Tensor:
+    """SiLU(depthwise causal conv over time) of x [B, T, C] with weight [C, 1, K], in float32.
+
+    Written as a sum of K shifted copies so that a tap reaching back past the start of its
+    document (position_in_doc [T] < shift) is masked out; torch.compile fuses it into one pass.
+    """
+    kernel_size = weight.shape[-1]
+    x_float, taps = x.float(), weight[:, 0, :].float()
+    out = x_float * taps[:, kernel_size - 1]
+    for shift in range(1, kernel_size):
+        shifted = F.pad(x_float, (0, 0, shift, 0))[:, : x.shape[1]]
+        if position_in_doc is not None:
+            shifted = shifted * (position_in_doc >= shift).unsqueeze(-1)
+        out = out + shifted * taps[:, kernel_size - 1 - shift]
+    return F.silu(out).to(x.dtype)
+
+
+_fused_conv1d_silu = fused(causal_conv1d_silu)
 
 
 class CausalConv1d(nn.Module):
-    """Depthwise causal conv over time, restarting at each document of `cu_seqlens`.
+    """Depthwise causal conv over time followed by SiLU, restarting at each document of `cu_seqlens`.
 
-    Weight `[channels, 1, kernel]` as in HF's `nn.Conv1d(groups=channels)`. With `cu_seqlens`
-    each document gets its own kernel-1 zeros in front (one scatter, one conv, one gather), so
-    no tap reads the previous document. A fused varlen kernel (causal-conv1d's) would save the
-    two extra copies of the activations.
+    Weight `[channels, 1, kernel]` as in HF's `nn.Conv1d(groups=channels)`.
     """
 
     def __init__(self, channels: int, kernel_size: int):
@@ -86,22 +126,12 @@ class CausalConv1d(nn.Module):
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         """x: [B, T, C] -> [B, T, C]."""
-        batch, length, channels = x.shape
-        pad = self.kernel_size - 1
-        weight = self.weight.to(x.dtype)
-        if cu_seqlens is None:
-            out = F.conv1d(x.transpose(1, 2), weight, padding=pad, groups=channels)[..., :length]
-            return out.transpose(1, 2)
-        num_docs = cu_seqlens.numel() - 1
-        doc_of_token = torch.searchsorted(
-            cu_seqlens[1:].to(torch.long), torch.arange(length, device=x.device), right=True
-        )
-        padded_index = torch.arange(length, device=x.device) + pad * (doc_of_token + 1)
-        padded = x.new_zeros(length + pad * num_docs, channels)
-        padded = padded.index_copy(0, padded_index, x[0])
-        out = F.conv1d(padded.t().unsqueeze(0), weight, groups=channels)[0]
-        # output j covers padded inputs j .. j+pad, so token t sits at padded_index[t] - pad
-        return out.t().index_select(0, padded_index - pad).unsqueeze(0)
+        position_in_doc = None
+        if cu_seqlens is not None:
+            tokens = torch.arange(x.shape[1], device=x.device)
+            starts = cu_seqlens.to(device=x.device, dtype=torch.long)
+            position_in_doc = tokens - starts[torch.searchsorted(starts[1:], tokens, right=True)]
+        return recompute_in_backward(_fused_conv1d_silu, x, self.weight, position_in_doc)
 
 
 class GatedDeltaRule(nn.Module):
@@ -162,7 +192,7 @@ class GatedDeltaNet(nn.Module):
         batch, length, _ = x.shape
         key_dim = self.num_k_heads * self.head_k_dim
         value_dim = self.num_v_heads * self.head_v_dim
-        qkv = recompute_in_backward(_conv_silu, self.conv1d, self.in_proj_qkv(x), cu_seqlens)
+        qkv = self.conv1d(self.in_proj_qkv(x), cu_seqlens)
         q, k, v = torch.split(qkv, [key_dim, key_dim, value_dim], dim=-1)
         q = q.reshape(batch, length, self.num_k_heads, self.head_k_dim)
         k = k.reshape(batch, length, self.num_k_heads, self.head_k_dim)
@@ -174,10 +204,6 @@ class GatedDeltaNet(nn.Module):
         z = self.in_proj_z(x).reshape(batch, length, self.num_v_heads, self.head_v_dim)
         o = self.norm(o, z).reshape(batch, length, value_dim)
         return self.out_proj(o)
-
-
-def _conv_silu(conv: CausalConv1d, x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
-    return F.silu(conv(x, cu_seqlens))
 
 
 class AttentionCore(nn.Module):
@@ -251,6 +277,9 @@ def _norm_rotary(x, norm_weight, cos, sin, eps) -> torch.Tensor:
     return apply_rotary(rms_norm(x, norm_weight, eps), cos, sin)
 
 
+_fused_norm_rotary = fused(_norm_rotary)
+
+
 class GatedAttention(nn.Module):
     """Qwen3.5's full-attention block: q projection carries a per-head output gate, zero-centred
     RMSNorm on q and k per head, partial RoPE, grouped KV heads, causal attention, sigmoid gate."""
@@ -274,9 +303,9 @@ class GatedAttention(nn.Module):
     def forward(self, x, cos, sin, cu_seqlens=None, max_seqlen=None) -> torch.Tensor:
         batch, length, _ = x.shape
         query, gate = self.q_proj(x).view(batch, length, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        q = recompute_in_backward(_norm_rotary, query, self.q_norm.weight, cos, sin, self.q_norm.eps)
+        q = recompute_in_backward(_fused_norm_rotary, query, self.q_norm.weight, cos, sin, self.q_norm.eps)
         k = self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)
-        k = recompute_in_backward(_norm_rotary, k, self.k_norm.weight, cos, sin, self.k_norm.eps)
+        k = recompute_in_backward(_fused_norm_rotary, k, self.k_norm.weight, cos, sin, self.k_norm.eps)
         v = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)
         out = self.attention(q, k, v, cu_seqlens, max_seqlen)
         out = out.reshape(batch, length, -1) * torch.sigmoid(gate.reshape(batch, length, -1))
@@ -291,11 +320,14 @@ class SwiGLUMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(recompute_in_backward(_swiglu, self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(recompute_in_backward(_fused_swiglu, self.gate_proj(x), self.up_proj(x)))
 
 
 def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
+
+
+_fused_swiglu = fused(_swiglu)
 
 
 class DecoderLayer(nn.Module):

@@ -48,7 +48,7 @@ def test_packed_documents_equal_each_document_alone():
 
 
 def test_causal_conv_restarts_at_document_boundaries():
-    conv = CausalConv1d(channels=6, kernel_size=4)
+    conv = CausalConv1d(channels=6, kernel_size=4)  # with SiLU
     lengths = [5, 1, 0, 9]
     x = torch.randn(1, sum(lengths), 6)
     cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
@@ -184,10 +184,14 @@ def test_layers_expose_head_counts():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_bf16_model_matches_float32_torch_reference():
-    """bf16 on the GPU (TileLang GDN kernels on Hopper, FlashAttention varlen) against float32 torch."""
+@pytest.mark.parametrize("backend", ["tilelang", "fla"])
+def test_gpu_bf16_model_matches_float32_torch_reference(backend):
+    """bf16 on the GPU (GDN kernels, varlen FlashAttention, compiled elementwise chains) against
+    the float32 torch path on the CPU."""
+    if backend == "fla":
+        pytest.importorskip("fla")
     config = QwenHybridConfig.named("tiny", linear_key_head_dim=128, linear_value_head_dim=128, head_dim=128,
-                                    gdn_backend="auto")
+                                    gdn_backend=backend)
     torch.manual_seed(0)
     reference = QwenHybridForCausalLM(QwenHybridConfig(**{**config.__dict__, "gdn_backend": "torch"}))
     fast = QwenHybridForCausalLM(config)
