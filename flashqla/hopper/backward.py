@@ -80,9 +80,11 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht):
     dq_head, dk_head, dv, dg, dbeta = fused_backward(q_flat, k_flat, v_flat, gamma, beta_flat, inverse, states,
                                                      state_grads, do_flat, scale, cu_seqlens, chunk_index)
 
-    # Deterministic reduction over the value heads sharing a q/k head.
-    dq = dq_head.view(num_tokens, num_qk_heads, group, HEAD_DIM).sum(2)
-    dk = dk_head.view(num_tokens, num_qk_heads, group, HEAD_DIM).sum(2)
+    # Deterministic reduction (float32 accumulation) over the value heads sharing a q/k head.
+    dq, dk = dq_head, dk_head
+    if group > 1:
+        dq = dq_head.view(num_tokens, num_qk_heads, group, HEAD_DIM).sum(2, dtype=torch.float32)
+        dk = dk_head.view(num_tokens, num_qk_heads, group, HEAD_DIM).sum(2, dtype=torch.float32)
     return (
         dq.view(q.shape).to(q.dtype),
         dk.view(k.shape).to(k.dtype),

@@ -47,8 +47,8 @@ def fused_backward_program():
         do: T.Tensor((num_tokens, num_v_heads, V), op),
         cu_seqlens: T.Tensor((num_sequences + 1,), "int32"),
         chunk_index: T.Tensor((num_chunks, 2), "int32"),
-        dq_head: T.Tensor((num_tokens, num_v_heads, K), f32),
-        dk_head: T.Tensor((num_tokens, num_v_heads, K), f32),
+        dq_head: T.Tensor((num_tokens, num_v_heads, K), op),
+        dk_head: T.Tensor((num_tokens, num_v_heads, K), op),
         dv: T.Tensor((num_tokens, num_v_heads, V), op),
         dg: T.Tensor((num_tokens, num_v_heads), f32),
         dbeta: T.Tensor((num_tokens, num_v_heads), f32),
@@ -225,7 +225,7 @@ def fused_backward_program():
             T.gemm(dpm_s, k_s, dq)
             for t, d in T.Parallel(_C, K):
                 if t < length:
-                    dq_head[start + t, head, d] = dq[t, d]
+                    dq_head[start + t, head, d] = T.cast(dq[t, d], op)
 
             # dK = E Delta dS1^T + dU S0^T + dPm^T Q + (dL diag-beta terms)
             T.gemm(delta_s, ds_s, dk, transpose_B=True, clear_accum=True)
@@ -254,7 +254,7 @@ def fused_backward_program():
             T.gemm(dl_sym_s, k_s, dk)
             for t, d in T.Parallel(_C, K):
                 if t < length:
-                    dk_head[start + t, head, d] = dk[t, d]
+                    dk_head[start + t, head, d] = T.cast(dk[t, d], op)
 
             # dgamma_C += e^{gamma_C} sum(S0 . dS1)
             for i, j in T.Parallel(K, V):
@@ -294,14 +294,15 @@ def fused_backward(q, k, v, gamma, beta, inverse, chunk_states, chunk_state_grad
     inverse: [T, Hv, 64] bf16; chunk_states (entering each chunk), chunk_state_grads (leaving it):
     [num_chunks, Hv, 128, 128] bf16 in chunk_index order; cu_seqlens: int32 [N + 1];
     chunk_index: int32 [num_chunks, 2] (sequence, chunk within it).
-    dq, dk: float32 [T, Hv, 128]; dv: bf16 [T, Hv, 128]; dg, dbeta: float32 [T, Hv].
+    dq, dk, dv: bf16 [T, Hv, 128]; dg, dbeta: float32 [T, Hv].
     """
     num_tokens, _, head_dim = q.shape
     num_v_heads = v.shape[1]
     f32 = dict(dtype=torch.float32, device=q.device)
-    dq_head = torch.empty(num_tokens, num_v_heads, head_dim, **f32)
-    dk_head = torch.empty(num_tokens, num_v_heads, head_dim, **f32)
-    dv = torch.empty(num_tokens, num_v_heads, head_dim, dtype=torch.bfloat16, device=q.device)
+    bf16 = dict(dtype=torch.bfloat16, device=q.device)
+    dq_head = torch.empty(num_tokens, num_v_heads, head_dim, **bf16)
+    dk_head = torch.empty(num_tokens, num_v_heads, head_dim, **bf16)
+    dv = torch.empty(num_tokens, num_v_heads, head_dim, **bf16)
     dg = torch.empty(num_tokens, num_v_heads, **f32)
     dbeta = torch.empty(num_tokens, num_v_heads, **f32)
     if chunk_index.shape[0] > 0:
