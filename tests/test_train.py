@@ -163,7 +163,7 @@ def test_kernel_timing_and_backend_comparison(workdir):
     result = _run(
         [sys.executable, PRETRAIN] + _overrides(
             workdir, run_dir, "train.steps=4", "benchmark.compare_backends=[torch,auto]", "benchmark.warmup_steps=0",
-            "train.activation_checkpointing=true", "logger.mode=disabled", "train.export_hf=false",
+            "train.activation_checkpointing=true", "logger.mode=offline", "train.export_hf=false",
         ),
         workdir,
     )
@@ -181,9 +181,10 @@ def test_kernel_timing_and_backend_comparison(workdir):
     extra = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()[-2:]]
     summary = extra[0]["comparison_summary"]
     run_summary = extra[1]["run_summary"]
-    assert run_summary["steps"] == 4 and run_summary["median_gdn_bwd_s"] > 0 and run_summary["peak_memory_gib"] > 0
+    assert run_summary["timed_steps"] == 4 and run_summary["median_gdn_bwd_s"] > 0 and run_summary["peak_memory_gib"] > 0
     assert summary["columns"] == ["quantity", "torch_s", "auto_s", "auto_over_torch"]
     assert {row[0] for row in summary["rows"]} >= {"step_time", "gdn_fwd", "attention_bwd"}
+    assert list(run_dir.glob("wandb/offline-run-*/files/media/table/compare/summary_*.table.json"))
 
 
 @pytest.mark.parametrize(

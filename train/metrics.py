@@ -199,7 +199,9 @@ class MetricsLog:
         if not timed:
             return
         summary = {
-            "steps": len(timed),
+            "first_loss": records[0]["loss"],
+            "last_loss": records[-1]["loss"],
+            "timed_steps": len(timed),
             "median_step_time_s": statistics.median(r["step_time_s"] for r in timed),
             "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
             "peak_memory_gib": max(r["peak_memory_gib"] for r in records),
