@@ -113,6 +113,34 @@ def test_checkpoints_and_hf_export(straight_run):
     assert torch.isfinite(model(ids, labels=ids).loss)
 
 
+def test_init_from_the_exported_checkpoint_starts_where_training_ended(straight_run, workdir):
+    run_dir = workdir / "init_from"
+    result = _run(
+        [sys.executable, PRETRAIN] + _overrides(
+            workdir, run_dir, "train.steps=1", f"model.init_from={straight_run / 'hf_final'}", "train.lr=0",
+            "logger.mode=disabled", "train.export_hf=false", "train.checkpoint_at_exit=false",
+        ),
+        workdir,
+    )
+    assert result.returncode == 0
+    assert _metrics(run_dir)[0]["loss"] < _metrics(straight_run)[0]["loss"] - 0.3
+    assert not (run_dir / "checkpoints").exists()
+
+
+def test_zero3_trains_and_exports_gathered_weights(workdir):
+    from qwen_hybrid import QwenHybridForCausalLM
+
+    run_dir = workdir / "zero3"
+    result = _run(
+        _torchrun(2) + [PRETRAIN] + _overrides(workdir, run_dir, "train.steps=2", "deepspeed=zero3", "logger.mode=disabled"),
+        workdir,
+    )
+    assert result.returncode == 0
+    assert [r["step"] for r in _metrics(run_dir)] == [1, 2]
+    model = QwenHybridForCausalLM.from_pretrained(run_dir / "hf_final")
+    assert model.lm_head.weight.shape == (512, 64) and model.lm_head.weight.std() > 0.01
+
+
 def test_stop_and_resume_reproduces_the_loss_trajectory(straight_run, workdir):
     run_dir = workdir / "resumed"
     port = 29500 + os.getpid() % 2000

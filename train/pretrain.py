@@ -93,7 +93,8 @@ def agree_on_run_dir(cfg: DictConfig, resume_point: ResumePoint | None) -> Path:
             chosen[0] = str(resume_point.run_dir)
         else:
             stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-            chosen[0] = str(Path(cfg.runs_root) / f"{cfg.model.name}-{stamp}")
+            model_name = Path(str(cfg.model.init_from)).name if cfg.model.init_from else cfg.model.name
+            chosen[0] = str(Path(cfg.runs_root) / f"{model_name}-{stamp}")
         Path(chosen[0]).mkdir(parents=True, exist_ok=True)
     dist.broadcast_object_list(chosen, src=0)
     return Path(chosen[0])
@@ -209,7 +210,7 @@ def train(cfg: DictConfig) -> int:
     if rank == 0:
         metrics = MetricsLog(run_dir, dict_from(cfg.logger), dict_from(cfg), state.step if resume_point else None)
         log.info(
-            f"run directory {run_dir}\nmodel {cfg.model.name} ({num_parameters / 1e6:.1f}M parameters), "
+            f"run directory {run_dir}\nmodel {cfg.model.init_from or cfg.model.name} ({num_parameters / 1e6:.1f}M parameters), "
             f"{world_size} rank(s) on {device.type}, ZeRO-{cfg.deepspeed.zero_stage}, {cfg.train.precision}, "
             f"data {dataset.path} ({dataset.num_tokens} tokens)"
         )
