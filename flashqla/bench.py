@@ -88,29 +88,29 @@ def forward_breakdown(inputs: dict, rep_ms: int) -> dict:
     from triton.testing import do_bench
 
     from flashqla import hopper
-    from flashqla.hopper.chunk_plan import chunk_indices, chunk_offsets, plan_pieces, walk_starts
+    from flashqla.hopper.chunk_plan import plan_forward, walk_starts
     from flashqla.hopper.inverse import gated_products
 
     q, k, v, g, beta = (inputs[n][0] for n in ("q", "k", "v", "g", "beta"))
     cu = inputs["cu_seqlens"]
     num_tokens, num_v_heads = g.shape
-    index, offsets = chunk_indices(cu), chunk_offsets(cu)
+    sm_count = torch.cuda.get_device_properties().multi_processor_count
+    plan = plan_forward(cu, num_v_heads, 128, sm_count, hopper.MAX_VALUE_BLOCK)
+    index = plan.chunk_index
     gamma = hopper.chunk_local_cumsum(g[None], cu, chunk_index=index).view(num_tokens, num_v_heads)
     gated_inverse, scores = gated_products(q, k, gamma, beta, 128 ** -0.5, cu, index)
-    sm_count = torch.cuda.get_device_properties().multi_processor_count
-    value_block = hopper.MAX_VALUE_BLOCK
-    pieces = plan_pieces(cu, num_v_heads, 128 // value_block, sm_count)
-    walk = walk_starts(pieces, cu, gamma)
+    walk = walk_starts(plan.pieces, cu, gamma, -10.0, plan.max_walk_back)
     stages = {
+        "plan": lambda: plan_forward(cu, num_v_heads, 128, sm_count, hopper.MAX_VALUE_BLOCK),
         "cumsum": lambda: hopper.chunk_local_cumsum(g[None], cu, chunk_index=index),
         "products": lambda: gated_products(q, k, gamma, beta, 128 ** -0.5, cu, index),
-        "plan": lambda: (chunk_indices(cu), chunk_offsets(cu), walk_starts(plan_pieces(cu, num_v_heads, 2, sm_count), cu, gamma)),
-        "fused": lambda: hopper.fused_forward(q, k, v, gamma, gated_inverse, scores, 128 ** -0.5, inputs["initial_state"], cu,
-                                             value_block, pieces, walk, offsets=offsets),
+        "walk": lambda: walk_starts(plan.pieces, cu, gamma, -10.0, plan.max_walk_back),
+        "fused": lambda: hopper.fused_forward(q, k, v, gamma, gated_inverse, scores, 128 ** -0.5, inputs["initial_state"],
+                                             cu, plan.value_block, plan.pieces, walk, offsets=plan.chunk_offsets),
     }
     result = {name: do_bench(fn, warmup=10, rep=rep_ms, return_mode="median") for name, fn in stages.items()}
-    result["pieces"] = int(pieces.shape[0])
-    result["value_block"] = value_block
+    result["pieces"] = int(plan.pieces.shape[0])
+    result["value_block"] = plan.value_block
     return result
 
 

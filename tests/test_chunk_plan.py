@@ -2,7 +2,9 @@
 import torch
 import torch.nn.functional as F
 
-from flashqla.hopper.chunk_plan import chunk_indices, chunk_offsets, plan_pieces, value_block_size, walk_starts
+from flashqla.hopper.chunk_plan import (
+    chunk_indices, chunk_offsets, plan_forward, plan_pieces, value_block_size, walk_starts,
+)
 
 
 def test_chunk_indices_cover_partial_and_empty_sequences():
@@ -54,3 +56,14 @@ def test_walk_starts_stop_once_history_has_decayed():
                 assert g[w + 64:start, h].sum() > -10.0      # and no more chunks than needed
     exact = walk_starts(pieces, cu, gamma, log_decay_threshold=float("-inf"))
     assert (exact == 0).all()
+
+
+def test_plan_forward_matches_the_separate_helpers():
+    cu = torch.tensor([0, 1000, 1000, 1064, 33832], dtype=torch.int32)
+    plan = plan_forward(cu, num_heads=8, head_dim=128, sm_count=132, max_value_block=64)
+    assert plan.chunk_index.tolist() == chunk_indices(cu).tolist()
+    assert plan.chunk_offsets.tolist() == chunk_offsets(cu).tolist()
+    assert plan.value_block == 64
+    assert plan.pieces.tolist() == plan_pieces(cu, 8, 2, 132).tolist()
+    back = [(s - int(cu[q])) // 64 for q, s, _, _ in plan.pieces.tolist()]
+    assert plan.max_walk_back == max(back) > 0

@@ -8,9 +8,7 @@ chunk_states.py (state-only X/Y recurrence), chunk_plan.py (pieces, V split).
 
 import torch
 
-from flashqla.hopper.chunk_plan import (
-    chunk_indices, chunk_offsets, device_sm_count, flat_cu_seqlens, plan_pieces, value_block_size, walk_starts,
-)
+from flashqla.hopper.chunk_plan import device_sm_count, flat_cu_seqlens, plan_forward, walk_starts
 from flashqla.hopper.cumsum import chunk_local_cumsum
 from flashqla.hopper.fused_forward import MAX_VALUE_BLOCK, fused_forward
 from flashqla.hopper.inverse import gated_products
@@ -56,23 +54,14 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
     if g.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         g = g.float()
 
-    chunk_index = chunk_indices(cu_seqlens)
-    offsets = chunk_offsets(cu_seqlens)
-    gamma = chunk_local_cumsum(g.reshape(1, num_tokens, num_v_heads), cu_seqlens, chunk_index=chunk_index)
+    plan = plan_forward(cu_seqlens, num_v_heads, head_dim, device_sm_count(q.device), MAX_VALUE_BLOCK)
+    gamma = chunk_local_cumsum(g.reshape(1, num_tokens, num_v_heads), cu_seqlens, chunk_index=plan.chunk_index)
     gamma = gamma.view(num_tokens, num_v_heads)
-    gated_inverse, scores = gated_products(q_flat, k_flat, gamma, beta_flat, scale, cu_seqlens, chunk_index)
-
-    sm_count = device_sm_count(q.device)
-    value_block = MAX_VALUE_BLOCK
-    pieces = plan_pieces(cu_seqlens, num_v_heads, head_dim // value_block, sm_count)
-    if pieces.shape[0] * num_v_heads * (head_dim // value_block) < sm_count // 2:
-        # Sequences too short to split further: split V instead.
-        value_block = value_block_size(pieces.shape[0], num_v_heads, head_dim, sm_count, MAX_VALUE_BLOCK)
-        pieces = plan_pieces(cu_seqlens, num_v_heads, head_dim // value_block, sm_count)
-    walk = walk_starts(pieces, cu_seqlens, gamma, log_decay_threshold)
+    gated_inverse, scores = gated_products(q_flat, k_flat, gamma, beta_flat, scale, cu_seqlens, plan.chunk_index)
+    walk = walk_starts(plan.pieces, cu_seqlens, gamma, log_decay_threshold, plan.max_walk_back)
     h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
     o, final_state, _ = fused_forward(
         q_flat, k_flat, v_flat, gamma, gated_inverse, scores, scale, h0,
-        cu_seqlens, value_block, pieces, walk, offsets=offsets)
+        cu_seqlens, plan.value_block, plan.pieces, walk, offsets=plan.chunk_offsets)
     o = o.view(batch_size, seq_len, num_v_heads, head_dim)
     return o, (final_state if output_final_state else None)

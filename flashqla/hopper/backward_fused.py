@@ -117,16 +117,14 @@ def fused_backward_program():
             sd_mat = T.alloc_fragment((_C, K), f32)
             sd_row = T.alloc_fragment((_C,), f32)
 
-            # Loads; rows past the sequence end read as zeros (they may belong to the next one),
-            # except gamma, which repeats its last value so e^{gamma_C} decays over real tokens only.
-            for t, d in T.Parallel(_C, K):
-                q_s[t, d] = T.if_then_else(t < length, q[start + t, qk_head, d], T.cast(0, op))
-                k_s[t, d] = T.if_then_else(t < length, k[start + t, qk_head, d], T.cast(0, op))
-            for t, d in T.Parallel(_C, V):
-                v_s[t, d] = T.if_then_else(t < length, v[start + t, head, d], T.cast(0, op))
-                do_s[t, d] = T.if_then_else(t < length, do[start + t, head, d], T.cast(0, op))
-            for t, s in T.Parallel(_C, _C):
-                inv_s[t, s] = T.if_then_else(t < length, inverse[start + t, head, s], T.cast(0, op))
+            # Whole tiles: rows past the sequence end hold the next sequence's data. Masking the
+            # rows of Gm and beta and the padded rows' dgamma keeps them out of every gradient
+            # (each product that mixes rows goes through Gm, Ab or beta).
+            T.copy(q[start:start + _C, qk_head, 0:K], q_s)
+            T.copy(k[start:start + _C, qk_head, 0:K], k_s)
+            T.copy(v[start:start + _C, head, 0:V], v_s)
+            T.copy(do[start:start + _C, head, 0:V], do_s)
+            T.copy(inverse[start:start + _C, head, 0:_C], inv_s)
             for t in T.Parallel(_C):
                 gam_s[t] = gamma[start + T.min(t, length - 1), head]
                 b_s[t] = T.if_then_else(t < length, beta[start + t, head], 0.0)
@@ -136,7 +134,7 @@ def fused_backward_program():
                 dec_s[t] = T.exp(gam_s[t])
                 rdec_s[t] = T.exp(gam_s[_C - 1] - gam_s[t])
             for t, s in T.Parallel(_C, _C):
-                gm[t, s] = T.if_then_else(s <= t, T.exp(gam_s[t] - gam_s[s]), 0.0)
+                gm[t, s] = T.if_then_else((s <= t) & (t < length), T.exp(gam_s[t] - gam_s[s]), 0.0)
 
             T.gemm(q_s, k_s, qk, transpose_B=True, clear_accum=True)
             for t, s in T.Parallel(_C, _C):
@@ -266,7 +264,7 @@ def fused_backward_program():
             # dg = reverse cumsum of dgamma within the chunk; every row also gets the gamma_C terms
             # (sum of te and e^{gamma_C} sum(S0 . dS1)). Reductions, not serial loops, for latency.
             for t, j in T.Parallel(_C, _C):
-                dg_mat[t, j] = T.if_then_else(j >= t, dgam_s[j], 0.0) + te_s[j]
+                dg_mat[t, j] = T.if_then_else((j >= t) & (j < length), dgam_s[j], 0.0) + te_s[j]
             T.reduce_sum(dg_mat, dg_row, dim=1, clear=True)
             for t, i in T.Parallel(_C, K):
                 sd_mat[t, i] = state_dot_s[i]

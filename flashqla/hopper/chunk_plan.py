@@ -1,5 +1,8 @@
 """Planning helpers for the Hopper kernels: which chunk each CTA walks, V-split choice, pieces."""
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
 CHUNK_SIZE = 64
@@ -55,6 +58,27 @@ def device_sm_count(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def _piece_rows(bounds: list[int], chunks: list[int], ctas_per_piece: int, sm_count: int,
+                min_piece_chunks: int, chunk_size: int) -> list[tuple[int, int, int, int]]:
+    busy = sum(1 for c in chunks if c > 0)
+    target_pieces = sm_count // max(ctas_per_piece, 1)
+    if busy >= target_pieces or sum(chunks) == 0:
+        return [(i, bounds[i], bounds[i + 1], 1) for i in range(len(chunks))]
+    rows = []
+    piece_chunks = max(min_piece_chunks, -(-sum(chunks) // target_pieces))
+    for i, n_chunks in enumerate(chunks):
+        n_pieces = max(1, -(-n_chunks // piece_chunks))
+        per_piece = -(-n_chunks // n_pieces)
+        for p in range(n_pieces):
+            start = bounds[i] + p * per_piece * chunk_size
+            end = min(bounds[i] + (p + 1) * per_piece * chunk_size, bounds[i + 1])
+            if start < end or p == 0:
+                rows.append((i, start, end, 0))
+        seq, start, end, _ = rows[-1]
+        rows[-1] = (seq, start, end, 1)
+    return rows
+
+
 def plan_pieces(cu_seqlens: torch.Tensor, num_heads: int, value_blocks: int, sm_count: int = DEFAULT_SM_COUNT,
                 min_piece_chunks: int = 16, chunk_size: int = CHUNK_SIZE) -> torch.Tensor:
     """int32 [P, 4] rows (sequence, first token, end token, ends_sequence) on cu_seqlens' device.
@@ -64,31 +88,60 @@ def plan_pieces(cu_seqlens: torch.Tensor, num_heads: int, value_blocks: int, sm_
     piece at least `min_piece_chunks` long. Every sequence, empty ones too, ends in exactly one piece.
     """
     bounds = cu_seqlens.tolist()
-    lengths = [bounds[i + 1] - bounds[i] for i in range(len(bounds) - 1)]
-    chunks = [(n + chunk_size - 1) // chunk_size for n in lengths]
-    busy = sum(1 for c in chunks if c > 0)
-    ctas_per_piece = num_heads * value_blocks
-    target_pieces = sm_count // max(ctas_per_piece, 1)
-    rows = []
-    if busy >= target_pieces or sum(chunks) == 0:
-        rows = [(i, bounds[i], bounds[i + 1], 1) for i in range(len(lengths))]
-    else:
-        piece_chunks = max(min_piece_chunks, -(-sum(chunks) // target_pieces))
-        for i, n_chunks in enumerate(chunks):
-            n_pieces = max(1, -(-n_chunks // piece_chunks))
-            per_piece = -(-n_chunks // n_pieces)
-            for p in range(n_pieces):
-                start = bounds[i] + p * per_piece * chunk_size
-                end = min(bounds[i] + (p + 1) * per_piece * chunk_size, bounds[i + 1])
-                if start < end or p == 0:
-                    rows.append((i, start, end, 0))
-            seq, start, end, _ = rows[-1]
-            rows[-1] = (seq, start, end, 1)
+    chunks = [(bounds[i + 1] - bounds[i] + chunk_size - 1) // chunk_size for i in range(len(bounds) - 1)]
+    rows = _piece_rows(bounds, chunks, num_heads * value_blocks, sm_count, min_piece_chunks, chunk_size)
     return torch.tensor(rows, dtype=torch.int32).to(cu_seqlens.device)
 
 
+@dataclass
+class ForwardPlan:
+    """Everything the forward kernels index by, built on the host from one read of cu_seqlens."""
+
+    chunk_index: torch.Tensor      # int32 [num_chunks, 2]: (sequence, chunk within it)
+    chunk_offsets: torch.Tensor    # int32 [N + 1]: first global chunk of each sequence
+    pieces: torch.Tensor           # int32 [P, 4]: see plan_pieces
+    value_block: int               # V columns per CTA
+    max_walk_back: int             # most chunks a piece can walk back before its start (0: none split)
+
+
+def plan_forward(cu_seqlens: torch.Tensor, num_heads: int, head_dim: int = 128, sm_count: int = DEFAULT_SM_COUNT,
+                 max_value_block: int = 128, min_piece_chunks: int = 16, chunk_size: int = CHUNK_SIZE) -> ForwardPlan:
+    """Chunks, pieces and V split for one forward; one device->host read, one host->device copy."""
+    bounds = np.asarray(cu_seqlens.tolist(), dtype=np.int64)
+    lengths = bounds[1:] - bounds[:-1]
+    chunks = (lengths + chunk_size - 1) // chunk_size
+    offsets = np.zeros(len(chunks) + 1, dtype=np.int64)
+    offsets[1:] = np.cumsum(chunks)
+    sequence = np.repeat(np.arange(len(chunks)), chunks)
+    within = np.arange(int(offsets[-1])) - np.repeat(offsets[:-1], chunks)
+
+    value_block = min(max_value_block, head_dim)
+    bounds_list, chunks_list = bounds.tolist(), chunks.tolist()
+    rows = _piece_rows(bounds_list, chunks_list, num_heads * (head_dim // value_block), sm_count,
+                       min_piece_chunks, chunk_size)
+    if len(rows) * num_heads * (head_dim // value_block) < sm_count // 2:
+        # Sequences too short to split further: split V instead.
+        value_block = value_block_size(len(rows), num_heads, head_dim, sm_count, max_value_block)
+        rows = _piece_rows(bounds_list, chunks_list, num_heads * (head_dim // value_block), sm_count,
+                           min_piece_chunks, chunk_size)
+    pieces = np.asarray(rows, dtype=np.int64).reshape(-1, 4)
+    max_walk_back = int(((pieces[:, 1] - bounds[pieces[:, 0]]) // chunk_size).max()) if len(rows) else 0
+
+    packed = np.concatenate([np.stack([sequence, within], 1).reshape(-1), offsets, pieces.reshape(-1)])
+    packed = torch.from_numpy(packed.astype(np.int32)).to(cu_seqlens.device)
+    n_index, n_offsets = 2 * len(sequence), len(offsets)
+    return ForwardPlan(
+        chunk_index=packed[:n_index].view(-1, 2),
+        chunk_offsets=packed[n_index:n_index + n_offsets],
+        pieces=packed[n_index + n_offsets:].view(-1, 4),
+        value_block=value_block,
+        max_walk_back=max_walk_back,
+    )
+
+
 def walk_starts(pieces: torch.Tensor, cu_seqlens: torch.Tensor, gamma: torch.Tensor,
-                log_decay_threshold: float = -10.0, chunk_size: int = CHUNK_SIZE) -> torch.Tensor:
+                log_decay_threshold: float = -10.0, max_walk_back: int | None = None,
+                chunk_size: int = CHUNK_SIZE) -> torch.Tensor:
     """int32 [P, H]: the token where each (piece, head) CTA starts walking (on the GPU, no sync).
 
     A piece that does not start its sequence needs the state entering it. Walking from zero over
@@ -96,23 +149,23 @@ def walk_starts(pieces: torch.Tensor, cu_seqlens: torch.Tensor, gamma: torch.Ten
     chunks): take the fewest chunks whose summed decay is <= log_decay_threshold, else the whole
     prefix from the sequence start (exact, with h0). -inf always walks from the sequence start.
 
-    gamma: [T, H] fp32 chunk-local cumsum of g.
+    gamma: [T, H] fp32 chunk-local cumsum of g. max_walk_back (from ForwardPlan) saves a device sync.
     """
     num_pieces = pieces.shape[0]
     num_heads = gamma.shape[1]
     sequence = pieces[:, 0].long()
     piece_start = pieces[:, 1].long()
     seq_start = cu_seqlens.long()[sequence]
-    if num_pieces == cu_seqlens.numel() - 1 or log_decay_threshold == float("-inf"):
+    if max_walk_back is None:
+        max_walk_back = int(((piece_start - seq_start) // chunk_size).max().item()) if num_pieces else 0
+    max_back = max_walk_back
+    if max_walk_back == 0 or log_decay_threshold == float("-inf"):
         return seq_start.to(torch.int32)[:, None].expand(num_pieces, num_heads).contiguous()
     # Per piece: cumulative decay of the k chunks right before piece_start, k = 1..max.
-    max_back = int(((piece_start - seq_start) // chunk_size).max().item())
-    if max_back == 0:
-        return seq_start.to(torch.int32)[:, None].expand(num_pieces, num_heads).contiguous()
     back = torch.arange(1, max_back + 1, device=gamma.device)
     last_token = piece_start[:, None] - (back[None, :] - 1) * chunk_size - 1          # [P, max_back]
     valid = last_token >= seq_start[:, None]
-    decay = gamma.double()[last_token.clamp(min=0)]                                   # [P, max_back, H]
+    decay = gamma[last_token.clamp(min=0)].double()                                   # [P, max_back, H]
     decay = torch.where(valid[..., None], decay, torch.zeros_like(decay))
     summed = decay.cumsum(dim=1)
     enough = summed <= log_decay_threshold

@@ -30,6 +30,7 @@ def chunk_states_program(value_block: int, dtype: str = "bfloat16",
     num_tokens = T.dynamic("num_tokens")
     num_sequences = T.dynamic("num_sequences")
     num_chunks = T.dynamic("num_chunks")
+    num_transitions = T.dynamic("num_transitions")
     num_v_heads = T.dynamic("num_v_heads")
     num_qk_heads = T.dynamic("num_qk_heads")
     K = head_dim
@@ -49,7 +50,7 @@ def chunk_states_program(value_block: int, dtype: str = "bfloat16",
         cu_seqlens: T.Tensor((num_sequences + 1,), "int32"),
         chunk_offsets: T.Tensor((num_sequences + 1,), "int32"),
         final_state: T.Tensor((num_sequences, num_v_heads, K, V), "float32"),
-        transition: T.Tensor((num_sequences, num_v_heads, K, K), "float32"),
+        transition: T.Tensor((num_transitions, num_v_heads, K, K), "float32"),
         chunk_states: T.Tensor((num_chunks, num_v_heads, K, V), states_dtype),
     ):
         with T.Kernel(grid_blocks, num_v_heads, num_sequences, threads=threads) as (block, head, sequence):
@@ -67,6 +68,10 @@ def chunk_states_program(value_block: int, dtype: str = "bfloat16",
             inverse_shared = T.alloc_shared((_C, _C), "bfloat16")
             gamma_shared = T.alloc_shared((_C,), "float32")
             beta_shared = T.alloc_shared((_C,), "float32")
+            # Consumer-side copies: TileLang's producer may refill gamma/beta_shared as soon as the
+            # first product of the chunk is issued.
+            beta_private = T.alloc_shared((_C,), "float32")
+            end_decay = T.alloc_shared((_C,), "float32")
             state_shared = T.alloc_shared((K, BV), dtype)
             x_shared = T.alloc_shared((_C, K), dtype)
             y_shared = T.alloc_shared((_C, BV), dtype)
@@ -74,7 +79,7 @@ def chunk_states_program(value_block: int, dtype: str = "bfloat16",
             state = T.alloc_fragment((K, BV), "float32")
             x = T.alloc_fragment((_C, K), "float32")
             ks = T.alloc_fragment((_C, BV), "float32")
-            gamma_last = T.alloc_var("float32")
+            chunk_decay = T.alloc_var("float32")
 
             if is_transition:
                 for i, j in T.Parallel(K, BV):
@@ -94,20 +99,23 @@ def chunk_states_program(value_block: int, dtype: str = "bfloat16",
                     gamma_shared[t] = gamma[left + T.min(t, last), head] * _LOG2E
                     beta_shared[t] = T.if_then_else(t <= last, T.cast(beta[left + t, head], "float32"), 0.0)
 
+                for t in T.Parallel(_C):
+                    beta_private[t] = beta_shared[t]
+                    end_decay[t] = T.exp2(gamma_shared[_C - 1] - gamma_shared[t])
+                chunk_decay = T.exp2(gamma_shared[_C - 1])
                 T.copy(state, state_shared)
                 if store_chunk_states:
                     if not is_transition:
                         T.copy(state, chunk_states[first_chunk + c, head, 0:K, v0:v0 + BV])
                 T.gemm(inverse_shared, k_shared, x, transpose_A=True, clear_accum=True)
                 T.gemm(k_shared, state_shared, ks, clear_accum=True)
-                gamma_last = gamma_shared[_C - 1]
                 for t, i in T.Parallel(_C, K):
-                    x_shared[t, i] = -beta_shared[t] * x[t, i]
+                    x_shared[t, i] = -beta_private[t] * x[t, i]
                 for t, j in T.Parallel(_C, BV):
-                    y_shared[t, j] = T.exp2(gamma_last) * ks[t, j] - T.if_then_else(
-                        is_transition, 0.0, T.exp2(gamma_last - gamma_shared[t]) * v_shared[t, j])
+                    y_shared[t, j] = chunk_decay * ks[t, j] - T.if_then_else(
+                        is_transition, 0.0, end_decay[t] * v_shared[t, j])
                 for i, j in T.Parallel(K, BV):
-                    state[i, j] = state[i, j] * T.exp2(gamma_last)
+                    state[i, j] = state[i, j] * chunk_decay
                 T.gemm(x_shared, y_shared, state, transpose_A=True)
 
             if is_transition:

@@ -89,6 +89,10 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", head_dim: i
             ab_shared = T.alloc_shared((_C, _C), dtype)
             p_shared = T.alloc_shared((_C, _C), dtype)
             gamma_shared = T.alloc_shared((_C,), "float32")
+            # Consumer-side copies: TileLang's producer may refill gamma_shared as soon as the first
+            # products of the chunk are issued, so the decays are taken out of it first.
+            row_decay = T.alloc_shared((_C,), "float32")
+            end_decay = T.alloc_shared((_C,), "float32")
             state_shared = T.alloc_shared((K, BV), dtype)
             w_shared = T.alloc_shared((_C, BV), dtype)
             delta_shared = T.alloc_shared((_C, BV), dtype)
@@ -99,7 +103,7 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", head_dim: i
             u = T.alloc_fragment((_C, BV), "float32")
             out = T.alloc_fragment((_C, BV), "float32")
             delta = T.alloc_fragment((_C, BV), "float32")
-            gamma_last = T.alloc_var("float32")
+            chunk_decay = T.alloc_var("float32")
 
             if use_initial_state != 0 and walk == cu_seqlens[sequence]:
                 T.copy(initial_state[sequence, head, 0:K, v0:v0 + BV], state)
@@ -117,26 +121,28 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", head_dim: i
                 for t in T.Parallel(_C):
                     gamma_shared[t] = gamma[left + T.min(t, last), head] * _LOG2E
 
+                for t in T.Parallel(_C):
+                    row_decay[t] = T.exp2(gamma_shared[t])
+                    end_decay[t] = T.if_then_else(t <= last, T.exp2(gamma_shared[_C - 1] - gamma_shared[t]), 0.0)
                 T.copy(state, state_shared)
                 if store_chunk_states:
                     T.copy(state_shared, chunk_states[first_chunk + (left - cu_seqlens[sequence]) // _C, head,
                                                       0:K, v0:v0 + BV])
                 T.gemm(k_shared, state_shared, u, clear_accum=True)
                 T.gemm(q_shared, state_shared, out, clear_accum=True)
-                gamma_last = gamma_shared[_C - 1]
+                chunk_decay = row_decay[_C - 1]
 
                 for t, j in T.Parallel(_C, BV):
-                    w_shared[t, j] = v_shared[t, j] - T.exp2(gamma_shared[t]) * u[t, j]
+                    w_shared[t, j] = v_shared[t, j] - row_decay[t] * u[t, j]
                 T.gemm(ab_shared, w_shared, delta, clear_accum=True)
                 for t, j in T.Parallel(_C, BV):
                     delta_shared[t, j] = delta[t, j]
-                    decayed_delta_shared[t, j] = T.if_then_else(
-                        t <= last, T.exp2(gamma_last - gamma_shared[t]) * delta[t, j], 0.0)
+                    decayed_delta_shared[t, j] = end_decay[t] * delta[t, j]
                 for t, j in T.Parallel(_C, BV):
-                    out[t, j] = out[t, j] * (T.exp2(gamma_shared[t]) * scale)
+                    out[t, j] = out[t, j] * (row_decay[t] * scale)
                 T.gemm(p_shared, delta_shared, out)
                 for i, j in T.Parallel(K, BV):
-                    state[i, j] = state[i, j] * T.exp2(gamma_last)
+                    state[i, j] = state[i, j] * chunk_decay
                 T.gemm(k_shared, decayed_delta_shared, state, transpose_A=True)
 
                 if left >= piece_start:

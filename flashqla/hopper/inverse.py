@@ -44,11 +44,11 @@ def _make_inverse_into(head_dim: int, dtype: str):
             x[i, j] = T.if_then_else(i == j, 1.0, 0.0)
 
         # Level 1: rows of each 16x16 diagonal block, one row at a time (four blocks at once).
-        for i in T.serial(1, 16):
+        for i in T.unroll(1, 16):
             for b, c in T.Parallel(4, 16):
                 acc = T.alloc_var("float32")
                 acc = 0.0
-                for j in T.serial(i):
+                for j in T.unroll(i):
                     acc = acc + neg_lower[b * 16 + i, b * 16 + j] * x[b * 16 + j, b * 16 + c]
                 diag_row[b, c] = acc
             for b, c in T.Parallel(4, 16):
@@ -59,13 +59,13 @@ def _make_inverse_into(head_dim: int, dtype: str):
         for p, i, j in T.Parallel(2, 16, 16):
             acc2 = T.alloc_var("float32")
             acc2 = 0.0
-            for r in T.serial(16):
+            for r in T.unroll(16):
                 acc2 = acc2 + neg_lower[p * 32 + 16 + i, p * 32 + r] * x[p * 32 + r, p * 32 + j]
             merge16[p, i, j] = acc2
         for p, i, j in T.Parallel(2, 16, 16):
             acc3 = T.alloc_var("float32")
             acc3 = 0.0
-            for r in T.serial(16):
+            for r in T.unroll(16):
                 acc3 = acc3 + x[p * 32 + 16 + i, p * 32 + 16 + r] * merge16[p, r, j]
             x[p * 32 + 16 + i, p * 32 + j] = acc3
 
