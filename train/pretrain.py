@@ -118,9 +118,14 @@ def build_model(cfg: DictConfig, device: torch.device, dtype: torch.dtype, data_
     if cfg.model.init_from is not None:
         model = QwenHybridForCausalLM.from_pretrained(cfg.model.init_from, dtype=dtype, device=device, **overrides)
     else:
-        with torch.device(device):
-            model = QwenHybridForCausalLM(QwenHybridConfig.named(cfg.model.name, **overrides))
-        model.to(dtype)
+        # built on the device in the training dtype: a float32 copy first would not fit for the large sizes
+        previous_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(device):
+                model = QwenHybridForCausalLM(QwenHybridConfig.named(cfg.model.name, **overrides))
+        finally:
+            torch.set_default_dtype(previous_dtype)
     if data_vocab > model.config.vocab_size:
         raise ConfigError(
             f"model.vocab_size: the model has {model.config.vocab_size} token ids but the data uses {data_vocab} "
@@ -141,6 +146,30 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def train_step(engine, sampler: MicroBatchSampler, data_position: int, accumulation: int, device: torch.device,
+               timer: KernelTimer | None) -> torch.Tensor:
+    """Forward and backward over this rank's micro-batches, then the optimizer step (DeepSpeed
+    steps at the accumulation boundary). Returns the sum of the micro-batch losses."""
+    loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+    for micro_step in range(accumulation):
+        batch = sampler.rank_micro_batch(data_position, micro_step)
+        input_ids = batch.input_ids.to(device, non_blocking=True)
+        if timer is not None:
+            timer.phase = "fwd"
+        output = engine(
+            input_ids,
+            cu_seqlens=batch.cu_seqlens.to(device, non_blocking=True),
+            position_ids=batch.position_ids.to(device, non_blocking=True),
+            labels=input_ids,
+        )
+        if timer is not None:
+            timer.phase = "bwd"
+        engine.backward(output.loss)
+        engine.step()
+        loss_sum += output.loss.detach().float()
+    return loss_sum
 
 
 def train(cfg: DictConfig) -> int:
@@ -175,15 +204,15 @@ def train(cfg: DictConfig) -> int:
 
     ds_config = deepspeed_config(cfg, on_cuda=device.type == "cuda")
     train_cfg = cfg.train
+    groups = parameter_groups(model, train_cfg.weight_decay)
     client_optimizer = None
-    if not cfg.deepspeed.offload_optimizer:
+    if not cfg.deepspeed.offload_optimizer:  # offloaded: DeepSpeed builds its CPU Adam over `groups`
         client_optimizer = torch.optim.AdamW(
-            parameter_groups(model, train_cfg.weight_decay), lr=train_cfg.lr, betas=tuple(train_cfg.betas),
-            fused=device.type == "cuda",
+            groups, lr=train_cfg.lr, betas=tuple(train_cfg.betas), fused=device.type == "cuda"
         )
     engine, _, _, _ = deepspeed.initialize(
         model=model,
-        model_parameters=parameter_groups(model, train_cfg.weight_decay),
+        model_parameters=groups if client_optimizer is None else None,
         optimizer=client_optimizer,
         lr_scheduler=lambda optimizer: warmup_cosine_scheduler(
             optimizer, train_cfg.warmup_steps, train_cfg.steps, train_cfg.min_lr_ratio
@@ -234,23 +263,7 @@ def train(cfg: DictConfig) -> int:
                 torch.cuda.reset_peak_memory_stats(device)
             synchronize(device)
             step_start = time.perf_counter()
-            loss_sum = torch.zeros((), dtype=torch.float32, device=device)
-            for micro_step in range(train_cfg.gradient_accumulation):
-                batch = sampler.rank_micro_batch(state.data_position, micro_step)
-                input_ids = batch.input_ids.to(device, non_blocking=True)
-                if timer is not None:
-                    timer.phase = "fwd"
-                output = engine(
-                    input_ids,
-                    cu_seqlens=batch.cu_seqlens.to(device, non_blocking=True),
-                    position_ids=batch.position_ids.to(device, non_blocking=True),
-                    labels=input_ids,
-                )
-                if timer is not None:
-                    timer.phase = "bwd"
-                engine.backward(output.loss)
-                engine.step()
-                loss_sum += output.loss.detach().float()
+            loss_sum = train_step(engine, sampler, state.data_position, train_cfg.gradient_accumulation, device, timer)
             synchronize(device)
             step_time = time.perf_counter() - step_start
 
