@@ -8,5 +8,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 HOSTFILE=${HOSTFILE:?set HOSTFILE to a file of lines 'hostname slots=N'}
 MASTER_ADDR=${MASTER_ADDR:-$(awk 'NF && $1 !~ /^#/ {print $1; exit}' "$HOSTFILE")}
-exec deepspeed --hostfile "$HOSTFILE" --master_addr "$MASTER_ADDR" --master_port "${MASTER_PORT:-29500}" \
+exec "${PYTHON:-python3}" -m deepspeed.launcher.runner --hostfile "$HOSTFILE" --master_addr "$MASTER_ADDR" --master_port "${MASTER_PORT:-29500}" \
     train/pretrain.py "$@"

@@ -4,5 +4,6 @@
 #   NUM_GPUS=8 launch/single_node.sh model=2B experiment=continue_pretrain_128k model.init_from=/ckpt/Qwen3.5-2B
 set -euo pipefail
 cd "$(dirname "$0")/.."
-GPUS=${NUM_GPUS:-$(python -c "import torch; print(max(torch.cuda.device_count(), 1))")}
-exec deepspeed --num_gpus "$GPUS" --master_port "${MASTER_PORT:-29500}" train/pretrain.py "$@"
+PYTHON=${PYTHON:-python3}
+GPUS=${NUM_GPUS:-$("$PYTHON" -c "import torch; print(max(torch.cuda.device_count(), 1))")}
+exec "$PYTHON" -m deepspeed.launcher.runner --num_gpus "$GPUS" --master_port "${MASTER_PORT:-29500}" train/pretrain.py "$@"
