@@ -16,7 +16,7 @@ from flashqla.hopper.backward_state_grads import compile_state_grads, state_grad
 from flashqla.hopper.chunk_plan import chunk_indices, chunk_offsets, device_sm_count, flat_cu_seqlens, value_block_size
 from flashqla.hopper.chunk_states import chunk_states
 from flashqla.hopper.cumsum import chunk_local_cumsum
-from flashqla.hopper.inverse import gate_free_inverse
+from flashqla.hopper.inverse import gate_free_inverse, gated_products
 
 # Widest V block of the sequential walks: narrower blocks give more CTAs on the critical path.
 MAX_VALUE_BLOCK = 64
@@ -75,7 +75,8 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht):
     if dht is None:
         dht = torch.zeros(num_sequences, num_v_heads, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=device)
     dht = dht.to(torch.float32).contiguous()
-    state_grads, dh0 = state_gradients(q_flat, k_flat, gamma, beta_flat, inverse, do_flat, dht, scale, cu_seqlens,
+    gated_inverse, scores = gated_products(q_flat, k_flat, gamma, beta_flat, scale, cu_seqlens, chunk_index)
+    state_grads, dh0 = state_gradients(q_flat, k_flat, gamma, gated_inverse, scores, do_flat, dht, scale, cu_seqlens,
                                        offsets, chunk_index.shape[0], value_block)
     dq_head, dk_head, dv, dg, dbeta = fused_backward(q_flat, k_flat, v_flat, gamma, beta_flat, inverse, states,
                                                      state_grads, do_flat, scale, cu_seqlens, chunk_index)
