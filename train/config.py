@@ -5,7 +5,7 @@ from __future__ import annotations
 from numbers import Real
 from pathlib import Path
 
-from omegaconf import DictConfig, ListConfig
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from qwen_hybrid.config import GDN_BACKENDS, NAMED_SIZES
 
@@ -156,14 +156,8 @@ def deepspeed_config(cfg: DictConfig, on_cuda: bool) -> dict:
             "type": "AdamW",
             "params": {"lr": train.lr, "betas": list(train.betas), "weight_decay": train.weight_decay},
         }
-    _merge(config, dict_from(ds.overrides))
+    _merge(config, OmegaConf.to_container(ds.overrides, resolve=True))
     return config
-
-
-def dict_from(node) -> dict:
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_container(node, resolve=True)
 
 
 def _merge(base: dict, extra: dict) -> None:

@@ -39,7 +39,7 @@ from train.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from train.config import ConfigError, deepspeed_config, dict_from, validate_config
+from train.config import ConfigError, deepspeed_config, validate_config
 from train.data import MicroBatchSampler, PackedDataset
 from train.metrics import BackendComparison, KernelTimer, MetricsLog, peak_memory_gib
 from train.prepare_data import build_embedded_dataset
@@ -237,7 +237,10 @@ def train(cfg: DictConfig) -> int:
 
     metrics = None
     if rank == 0:
-        metrics = MetricsLog(run_dir, dict_from(cfg.logger), dict_from(cfg), state.step if resume_point else None)
+        metrics = MetricsLog(
+            run_dir, OmegaConf.to_container(cfg.logger, resolve=True), OmegaConf.to_container(cfg, resolve=True),
+            state.step if resume_point else None,
+        )
         log.info(
             f"run directory {run_dir}\nmodel {cfg.model.init_from or cfg.model.name} ({num_parameters / 1e6:.1f}M parameters), "
             f"{world_size} rank(s) on {device.type}, ZeRO-{cfg.deepspeed.zero_stage}, {cfg.train.precision}, "
