@@ -13,7 +13,6 @@ import os
 import torch
 import torch.nn.functional as F
 from torch import nn
-
 from torch.utils.checkpoint import checkpoint
 
 import flashqla

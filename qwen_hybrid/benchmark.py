@@ -1,0 +1,98 @@
+"""Step time and peak memory of one forward+backward of ours against HF's Qwen3_5ForCausalLM.
+
+    python -m qwen_hybrid.benchmark '[{"size": "0.8B", "tokens": 32768, "docs": 4, "backend": "fla"},
+                                      {"impl": "hf", "size": "0.8B", "tokens": 16384}]'
+
+A case: impl ("ours" | "hf"), size (a named size), tokens, docs (equal documents packed with
+cu_seqlens; HF gets one unpacked sequence), backend (GDN), ckpt (activation checkpointing),
+steps. Random bf16 weights on the current CUDA device; each result is printed and appended as a
+JSON line to $OUT/bench.jsonl when OUT is set. The first step includes kernel compilation.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import time
+
+import torch
+
+from qwen_hybrid import QwenHybridConfig, QwenHybridForCausalLM
+
+
+def build(impl: str, config: QwenHybridConfig, ckpt: bool) -> torch.nn.Module:
+    with torch.device("cuda"):
+        if impl == "ours":
+            model = QwenHybridForCausalLM(config).to(torch.bfloat16)
+            model.set_activation_checkpointing(ckpt)
+        elif impl == "hf":
+            import transformers
+
+            model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**config.to_hf()))
+            model = model.to(torch.bfloat16)
+            if ckpt:
+                model.gradient_checkpointing_enable()
+        else:
+            raise ValueError(f"impl must be 'ours' or 'hf', got {impl!r}")
+    return model.train()
+
+
+def measure(impl="ours", size="0.8B", tokens=32768, docs=1, backend="auto", ckpt=False, steps=3) -> dict:
+    case = dict(impl=impl, size=size, tokens=tokens, docs=docs, backend=backend, ckpt=bool(ckpt))
+    config = QwenHybridConfig.named(size, gdn_backend=backend)
+    torch.manual_seed(0)
+    model = build(impl, config, bool(ckpt))
+    input_ids = torch.randint(0, config.vocab_size, (1, tokens), device="cuda")
+    cu_seqlens = None
+    if docs > 1:
+        cu_seqlens = torch.linspace(0, tokens, docs + 1, device="cuda").round().to(torch.int32)
+
+    def step():
+        if impl == "ours":
+            loss = model(input_ids, cu_seqlens=cu_seqlens, labels=input_ids).loss
+        else:
+            loss = model(input_ids, labels=input_ids).loss
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        return loss
+
+    try:
+        start = time.time()
+        step()
+        torch.cuda.synchronize()
+        first_step_s = time.time() - start
+        torch.cuda.reset_peak_memory_stats()
+        times = []
+        for _ in range(steps):
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            loss = step()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(begin.elapsed_time(end))
+        step_ms = sorted(times)[len(times) // 2]
+        result = dict(case, first_step_s=round(first_step_s, 1), step_ms=round(step_ms, 1),
+                      tokens_per_s=round(tokens / step_ms * 1000), peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
+                      loss=round(loss.item(), 4))
+    except torch.OutOfMemoryError as error:
+        result = dict(case, error=f"out of memory: {str(error)[:160]}")
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return result
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) != 1:
+        raise SystemExit(__doc__)
+    for case in json.loads(argv[0]):
+        result = measure(**case)
+        print(json.dumps(result), flush=True)
+        if os.environ.get("OUT"):
+            with open(os.path.join(os.environ["OUT"], "bench.jsonl"), "a") as f:
+                f.write(json.dumps(result) + "\n")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
