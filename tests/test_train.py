@@ -184,6 +184,16 @@ def test_sigterm_saves_a_checkpoint_and_stops(workdir):
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{last_step:08d}"
     point = find_resume_point("auto", str(run_dir))
     assert point.tag == f"step_{last_step:08d}"
+    # a requeued job: same run_dir, train.resume=auto picks the checkpoint up
+    result = _run(
+        [sys.executable, PRETRAIN] + _overrides(
+            workdir, run_dir, f"train.steps={last_step + 1}", "train.resume=auto", "logger.mode=disabled",
+            "train.export_hf=false",
+        ),
+        workdir,
+    )
+    assert result.returncode == 0
+    assert [r["step"] for r in _metrics(run_dir)] == list(range(1, last_step + 2))
 
 
 def test_kernel_timing_and_backend_comparison(workdir):
