@@ -231,6 +231,7 @@ def test_kernel_timing_and_backend_comparison(workdir):
         ("train.lr=-1", "config error: train.lr=-1: expected a number >= 0.0"),
         ("train.no_such_key=1", "Key 'no_such_key' is not in struct"),
         ("model=5B", "Could not find 'model/5B'"),
+        ("data=packed", "config error: Missing mandatory value: data.path"),
     ],
 )
 def test_bad_override_fails_at_start_naming_the_key(workdir, override, message):

@@ -27,6 +27,7 @@ import hydra
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue
 from tqdm import tqdm
 
 from qwen_hybrid import QwenHybridConfig, QwenHybridForCausalLM
@@ -346,7 +347,7 @@ def train(cfg: DictConfig) -> int:
 def main(cfg: DictConfig) -> None:
     try:
         exit_code = train(cfg)
-    except ConfigError as error:
+    except (ConfigError, MissingMandatoryValue) as error:
         print(f"config error: {error}", file=sys.stderr)
         sys.exit(2)
     if exit_code:
