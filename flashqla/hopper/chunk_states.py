@@ -72,6 +72,8 @@ def chunk_states_program(value_block: int, dtype: str = "bfloat16",
             # first product of the chunk is issued.
             beta_private = T.alloc_shared((_C,), "float32")
             end_decay = T.alloc_shared((_C,), "float32")
+            # X sums over the rows of A~ (A~^T K): rows past the sequence end must be zero here.
+            inverse_masked = T.alloc_shared((_C, _C), "bfloat16")
             state_shared = T.alloc_shared((K, BV), dtype)
             x_shared = T.alloc_shared((_C, K), dtype)
             y_shared = T.alloc_shared((_C, BV), dtype)
@@ -103,11 +105,13 @@ def chunk_states_program(value_block: int, dtype: str = "bfloat16",
                     beta_private[t] = beta_shared[t]
                     end_decay[t] = T.exp2(gamma_shared[_C - 1] - gamma_shared[t])
                 chunk_decay = T.exp2(gamma_shared[_C - 1])
+                for t, s in T.Parallel(_C, _C):
+                    inverse_masked[t, s] = T.if_then_else(t <= last, inverse_shared[t, s], T.cast(0, "bfloat16"))
                 T.copy(state, state_shared)
                 if store_chunk_states:
                     if not is_transition:
                         T.copy(state, chunk_states[first_chunk + c, head, 0:K, v0:v0 + BV])
-                T.gemm(inverse_shared, k_shared, x, transpose_A=True, clear_accum=True)
+                T.gemm(inverse_masked, k_shared, x, transpose_A=True, clear_accum=True)
                 T.gemm(k_shared, state_shared, ks, clear_accum=True)
                 for t, i in T.Parallel(_C, K):
                     x_shared[t, i] = -beta_private[t] * x[t, i]
