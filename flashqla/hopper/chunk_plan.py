@@ -161,17 +161,13 @@ def walk_starts(pieces: torch.Tensor, cu_seqlens: torch.Tensor, gamma: torch.Ten
     max_back = max_walk_back
     if max_walk_back == 0 or log_decay_threshold == float("-inf"):
         return seq_start.to(torch.int32)[:, None].expand(num_pieces, num_heads).contiguous()
-    # Per piece: cumulative decay of the k chunks right before piece_start, k = 1..max.
-    back = torch.arange(1, max_back + 1, device=gamma.device)
-    last_token = piece_start[:, None] - (back[None, :] - 1) * chunk_size - 1          # [P, max_back]
-    valid = last_token >= seq_start[:, None]
-    decay = gamma[last_token.clamp(min=0)].double()                                   # [P, max_back, H]
-    decay = torch.where(valid[..., None], decay, torch.zeros_like(decay))
-    summed = decay.cumsum(dim=1)
-    enough = summed <= log_decay_threshold
-    # Fewest chunks that decay enough; none -> walk from the sequence start.
-    first_enough = torch.where(enough.any(dim=1), enough.float().argmax(dim=1) + 1,
-                               torch.full_like(enough[:, 0, :], max_back + 1, dtype=torch.long))
-    walk = piece_start[:, None] - first_enough * chunk_size
-    walk = torch.maximum(walk, seq_start[:, None])
+    # Per piece: summed decay of the k chunks right before piece_start, k = 1..max_back (few launches:
+    # this runs on every call of a split forward).
+    back = torch.arange(max_back, device=gamma.device)
+    last_token = piece_start[:, None] - back[None, :] * chunk_size - 1                 # [P, max_back]
+    decay = gamma[last_token.clamp(min=0)]                                              # [P, max_back, H]
+    decay = decay.masked_fill((last_token < seq_start[:, None])[..., None], 0.0)
+    # Chunks still short of the threshold; the walk takes one more (or reaches the sequence start).
+    short = (decay.double().cumsum(dim=1) > log_decay_threshold).sum(dim=1)            # [P, H]
+    walk = torch.maximum(piece_start[:, None] - (short + 1) * chunk_size, seq_start[:, None])
     return walk.to(torch.int32).contiguous()
