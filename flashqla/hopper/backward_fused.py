@@ -281,7 +281,8 @@ def fused_backward_program():
 
 @functools.lru_cache(maxsize=None)
 def compile_fused_backward():
-    return tilelang.compile(fused_backward_program(), target=HOPPER_TARGET)
+    return tilelang.compile(fused_backward_program(), target=HOPPER_TARGET,
+                            pass_configs={tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True})
 
 
 def fused_backward(q, k, v, gamma, beta, inverse, chunk_states, chunk_state_grads, do, scale, cu_seqlens,

@@ -66,6 +66,7 @@ def state_grads_program(value_block: int = 32):
             do_s = T.alloc_shared((_C, BV), op)
             ab_s = T.alloc_shared((_C, _C), op)
             pm_s = T.alloc_shared((_C, _C), op)
+            pm_m_s = T.alloc_shared((_C, _C), op)
             ds_s = T.alloc_shared((K, BV), op)
             d_delta_s = T.alloc_shared((_C, BV), op)
             du_s = T.alloc_shared((_C, BV), op)
@@ -81,8 +82,9 @@ def state_grads_program(value_block: int = 32):
                 chunk = seq_chunks - 1 - it
                 start = bos + chunk * _C
                 last = T.min(eos - start, _C) - 1
-                # Whole tiles; rows past the sequence end hold the next sequence's data, so the
-                # rows of Ab, Pm and scale D dO that reach the state are masked below.
+                # Whole tiles; rows past the sequence end hold the next sequence's data. The pipelined
+                # buffers stay as loaded: Pm is masked into its own buffer and dDelta's padded rows
+                # are zeroed, which keeps those rows out of dS (Ab is zero above its diagonal).
                 T.copy(q[start:start + _C, qk_head, 0:K], q_s)
                 T.copy(k[start:start + _C, qk_head, 0:K], k_s)
                 T.copy(do[start:start + _C, head, v0:v0 + BV], do_s)
@@ -91,11 +93,8 @@ def state_grads_program(value_block: int = 32):
                 # Padded rows repeat the last gamma, so e^{gamma_C} is the decay over the real tokens.
                 for t in T.Parallel(_C):
                     gam_s[t] = gamma[start + T.min(t, last), head]
-                if last < _C - 1:
-                    for t, s in T.Parallel(_C, _C):
-                        if t > last:
-                            ab_s[t, s] = T.cast(0, op)
-                            pm_s[t, s] = T.cast(0, op)
+                for t, s in T.Parallel(_C, _C):
+                    pm_m_s[t, s] = T.if_then_else(t <= last, pm_s[t, s], T.cast(0, op))
 
                 for i, j in T.Parallel(K, BV):
                     ds_s[i, j] = T.cast(ds[i, j], op)
@@ -107,9 +106,9 @@ def state_grads_program(value_block: int = 32):
                 T.gemm(k_s, ds_s, d_delta, clear_accum=True)
                 for t, d in T.Parallel(_C, BV):
                     d_delta[t, d] = d_delta[t, d] * T.exp(gam_s[_C - 1] - gam_s[t])
-                T.gemm(pm_s, do_s, d_delta, transpose_A=True)
+                T.gemm(pm_m_s, do_s, d_delta, transpose_A=True)
                 for t, d in T.Parallel(_C, BV):
-                    d_delta_s[t, d] = T.cast(d_delta[t, d], op)
+                    d_delta_s[t, d] = T.if_then_else(t <= last, T.cast(d_delta[t, d], op), T.cast(0, op))
                 T.gemm(ab_s, d_delta_s, dw, transpose_A=True, clear_accum=True)
                 for t, d in T.Parallel(_C, BV):
                     du_s[t, d] = T.cast(-T.exp(gam_s[t]) * dw[t, d], op)
@@ -125,7 +124,8 @@ def state_grads_program(value_block: int = 32):
 
 @functools.lru_cache(maxsize=None)
 def compile_state_grads(value_block: int = 32):
-    return tilelang.compile(state_grads_program(value_block), target=HOPPER_TARGET)
+    return tilelang.compile(state_grads_program(value_block), target=HOPPER_TARGET,
+                            pass_configs={tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True})
 
 
 def state_gradients(q, k, gamma, gated_inverse, scores, do, dht, scale, cu_seqlens, offsets, num_chunks,
