@@ -29,11 +29,13 @@ def check_supported(q: torch.Tensor, v: torch.Tensor) -> None:
 
 
 def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-            log_decay_threshold: float = DEFAULT_LOG_DECAY_THRESHOLD):
+            log_decay_threshold: float = DEFAULT_LOG_DECAY_THRESHOLD, cu_seqlens_host: list[int] | None = None):
     """(o, final_state or None) for q, k [B, T, Hqk, 128], v [B, T, Hv, 128], g, beta [B, T, Hv].
 
     log_decay_threshold: how far a piece of a split sequence may truncate the history it rebuilds
     its entering state from (chunk_plan.walk_starts); -inf never truncates.
+    cu_seqlens_host: cu_seqlens as a Python list when the caller has already read it back; saves
+    the forward's only device->host sync.
     """
     check_supported(q, v)
     batch_size, seq_len, num_qk_heads, head_dim = q.shape
@@ -41,6 +43,7 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
     num_tokens = batch_size * seq_len
     if cu_seqlens is None:
         cu_seqlens = flat_cu_seqlens(batch_size, seq_len, q.device)
+        cu_seqlens_host = [b * seq_len for b in range(batch_size + 1)]
     cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()
     if scale is None:
         scale = head_dim ** -0.5
@@ -54,7 +57,8 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
     if g.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         g = g.float()
 
-    plan = plan_forward(cu_seqlens, num_v_heads, head_dim, device_sm_count(q.device), MAX_VALUE_BLOCK)
+    plan = plan_forward(cu_seqlens, num_v_heads, head_dim, device_sm_count(q.device), MAX_VALUE_BLOCK,
+                        host_bounds=cu_seqlens_host)
     gamma = chunk_local_cumsum(g.reshape(1, num_tokens, num_v_heads), cu_seqlens, chunk_index=plan.chunk_index)
     gamma = gamma.view(num_tokens, num_v_heads)
     gated_inverse, scores = gated_products(q_flat, k_flat, gamma, beta_flat, scale, cu_seqlens, plan.chunk_index)

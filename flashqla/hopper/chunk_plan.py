@@ -105,9 +105,11 @@ class ForwardPlan:
 
 
 def plan_forward(cu_seqlens: torch.Tensor, num_heads: int, head_dim: int = 128, sm_count: int = DEFAULT_SM_COUNT,
-                 max_value_block: int = 128, min_piece_chunks: int = 16, chunk_size: int = CHUNK_SIZE) -> ForwardPlan:
-    """Chunks, pieces and V split for one forward; one device->host read, one host->device copy."""
-    bounds = np.asarray(cu_seqlens.tolist(), dtype=np.int64)
+                 max_value_block: int = 128, min_piece_chunks: int = 16, chunk_size: int = CHUNK_SIZE,
+                 host_bounds: list[int] | None = None) -> ForwardPlan:
+    """Chunks, pieces and V split for one forward: one host->device copy, and one device->host
+    read of cu_seqlens unless the caller already holds it (host_bounds, the same values as a list)."""
+    bounds = np.asarray(cu_seqlens.tolist() if host_bounds is None else host_bounds, dtype=np.int64)
     lengths = bounds[1:] - bounds[:-1]
     chunks = (lengths + chunk_size - 1) // chunk_size
     offsets = np.zeros(len(chunks) + 1, dtype=np.int64)
