@@ -5,6 +5,9 @@
 Inputs as in docs/anchors.md: bf16 q/k/v (q, k L2-normalised), fp32 g = logsigmoid(randn)/16,
 fp32 beta = sigmoid(rand), fp32 initial state, final state on, K = V = 128, B = 1 with cu_seqlens.
 Median of triton.testing.do_bench; forward under no_grad; backward = (forward + backward) - forward.
+--breakdown adds our per-stage times (planning, cumsum, gated products, walk starts, fused walk).
+FlashQLA compiles about a dozen TileLang kernels per head layout on first use (minutes without a
+carried TileLang cache); `--baselines fla` leaves it out.
 """
 from __future__ import annotations
 
