@@ -413,9 +413,10 @@ def test_shards_of_every_rank_tile_each_parameter_exactly_once():
     assert plans[0].local_heads["model.layers.3.self_attn"] == {"num_heads": 2, "num_kv_heads": 1}
 
 
-def _check_deepspeed_zero_over_data_parallel_group(zero_stage: int, num_steps: int) -> None:
+def _check_deepspeed_zero_over_data_parallel_group(zero_stage: int, num_steps: int, directory: str) -> None:
     """tp = 2 x dp = 2 under DeepSpeed ZeRO with `mpu=groups` follows the unsharded model trained on
-    the mean loss of both data-parallel batches; DeepSpeed's gradient norm counts each shard once."""
+    the mean loss of both data-parallel batches; DeepSpeed's gradient norm counts each shard once;
+    its checkpoint (one file set per tp rank) resumes the same run."""
     import deepspeed
     import deepspeed.ops
 
@@ -432,8 +433,12 @@ def _check_deepspeed_zero_over_data_parallel_group(zero_stage: int, num_steps: i
         "zero_allow_untested_optimizer": True,
         "gradient_clipping": 1e6,  # never clips, but makes DeepSpeed compute the global norm
     }
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config, mpu=groups)
+
+    def make_engine(model):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+        return deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config, mpu=groups)[0]
+
+    engine = make_engine(model)
     assert engine.dp_world_size == 2
     reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=3e-3, weight_decay=0.0)
     for step in range(num_steps):
@@ -454,10 +459,21 @@ def _check_deepspeed_zero_over_data_parallel_group(zero_stage: int, num_steps: i
         grad_norm = torch.tensor(float(engine.get_global_grad_norm()))
         assert relative_error(grad_norm, reference_norm) <= 1e-4, (step, grad_norm.item(), reference_norm.item())
 
+    engine.save_checkpoint(directory, tag="resume")
+    resumed = make_engine(shard_model(_random_model(config, seed=99), groups))
+    resumed.load_checkpoint(directory, tag="resume")
+    input_ids, cu_seqlens, labels = _packed_batch(config, seed=1000 + groups.dp_rank)
+    losses = []
+    for run in (engine, resumed):  # one more step each (weights and optimizer state), then a forward
+        run.backward(run(input_ids, cu_seqlens=cu_seqlens, labels=labels).loss)
+        run.step()
+        losses.append(run(input_ids, cu_seqlens=cu_seqlens, labels=labels).loss.detach())
+    assert torch.equal(losses[0], losses[1]), [loss.item() for loss in losses]
+
 
 @pytest.mark.parametrize("zero_stage", [1, 2, 3])
-def test_deepspeed_zero_with_tp2_dp2_follows_unsharded(world4, zero_stage):
-    world4.run(_check_deepspeed_zero_over_data_parallel_group, zero_stage, 3)
+def test_deepspeed_zero_with_tp2_dp2_follows_unsharded_and_resumes(world4, tmp_path, zero_stage):
+    world4.run(_check_deepspeed_zero_over_data_parallel_group, zero_stage, 3, str(tmp_path))
 
 
 def _check_matches_unsharded_on_device(device_type: str, num_tokens: int, config_overrides: dict) -> None:
