@@ -1,7 +1,7 @@
 """Backward of the chunked gated delta rule on Hopper: the entry the autograd Function calls.
 
-1. Recompute what the forward did not keep: gamma, the gate-free inverse, and the bf16 state
-   entering every chunk (state-only kernel, chunk_states.py).
+1. Recompute what the forward did not keep: gamma, the gate-free inverse A~, the gated inverse Ab
+   and masked scores Pm (inverse.py), and the bf16 state entering every chunk (chunk_states.py).
 2. Walk the chunks in reverse for the state gradient leaving every chunk, and dh0
    (backward_state_grads.py; the only sequential part, light: four small products per chunk).
 3. Every chunk in parallel: dq, dk, dv, dg, dbeta (backward_fused.py).
