@@ -189,10 +189,16 @@ def shard_model(model: QwenHybridForCausalLM, groups: ParallelGroups) -> QwenHyb
 
 def _broadcast_from_first_tp_rank(model: nn.Module, groups: ParallelGroups) -> None:
     src = groups.get_tensor_model_parallel_src_rank()
+    on_nccl = dist.get_backend(groups.tp_group) == "nccl"
     with torch.no_grad():
-        for tensor in list(model.parameters()) + list(model.buffers()):
+        for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
             if tensor.is_meta:
                 continue
+            if on_nccl and not tensor.is_cuda:
+                raise ValueError(
+                    f"the tensor-parallel group runs on NCCL but {name} is on {tensor.device}: build or move the "
+                    f"model to this rank's GPU before shard_model"
+                )
             dist.broadcast(tensor.data, src=src, group=groups.tp_group)
 
 
