@@ -1,7 +1,9 @@
-"""Tensor parallelism (qwen_hybrid/parallel) against the unsharded model, on CPU over gloo.
+"""Tensor parallelism (qwen_hybrid/parallel) against the unsharded model: on CPU over gloo
+(2 and 4 processes, shared by the tests), and on two GPUs over NCCL (marked gpu).
 
-Each multi-process test spawns `world_size` processes; every rank builds the same float32 model,
-keeps an unsharded copy as the reference and compares its sharded copy to it.
+Every rank builds the same model, keeps an unsharded copy as the reference and compares its
+sharded copy to it: loss, logits, every gradient, optimizer steps, checkpoints. Run with
+`python -m pytest tests/test_tensor_parallel.py` (the gpu test: `-m gpu` on a 2-GPU machine).
 """
 from __future__ import annotations
 
@@ -26,8 +28,8 @@ from qwen_hybrid.parallel import (
     save_hf_checkpoint,
     shard_model,
 )
-from qwen_hybrid.parallel.vocab import vocab_parallel_cross_entropy
 from qwen_hybrid.loss import chunked_cross_entropy
+from qwen_hybrid.parallel.vocab import vocab_parallel_cross_entropy
 
 TOLERANCE = 1e-5
 # tp = 4 needs 4 GDN key heads; attention keeps 2 KV heads, so at tp = 4 each is replicated on 2 ranks
@@ -42,9 +44,11 @@ def _free_port() -> int:
 
 class _ProcessWorld:
     """`world_size` spawned processes in one process group (gloo on CPU; nccl with one GPU a
-    rank), kept for several tests (each process pays ~3 s of imports once). `run(worker, *args)` calls `worker(*args)` on every rank
-    and raises with the traceback of any rank that failed; a rank stuck in a collective after
-    another failed makes `run` time out, and the next `run` starts fresh processes."""
+    rank), kept for several tests (each process pays ~3 s of imports once).
+
+    `run(worker, *args)` calls `worker(*args)` on every rank and fails with the traceback of the
+    first rank that failed; the processes are then killed (the others may be stuck in a
+    collective) and the next `run` starts fresh ones."""
 
     def __init__(self, world_size: int, backend: str = "gloo", timeout_s: float = 300.0):
         self.world_size = world_size

@@ -100,7 +100,8 @@ def plan_tensor_parallel(config: QwenHybridConfig, tp_size: int, tp_rank: int) -
             if num_k % tp != 0:
                 raise ValueError(
                     f"{block}: linear_num_key_heads = {num_k} does not divide by tp = {tp} (each rank needs whole "
-                    f"key heads, with the {num_v // num_k} value heads that read each; linear_num_value_heads = {num_v})"
+                    f"key heads, with the {num_v // num_k} value heads that read each; "
+                    f"linear_num_value_heads = {num_v})"
                 )
             k_local, v_local = num_k // tp, num_v // tp
             key_dim, value_dim = num_k * dk, num_v * dv
@@ -215,7 +216,9 @@ def cut_to_local_shards(model: QwenHybridForCausalLM, plan: TensorParallelPlan, 
         old = parameters[name]
         expected = shard.full_size
         if old.shape[shard.dim] != expected:
-            raise ValueError(f"{name} has size {old.shape[shard.dim]} along dim {shard.dim}, the plan expects {expected}")
+            raise ValueError(
+                f"{name} has size {old.shape[shard.dim]} along dim {shard.dim}, the plan expects {expected}"
+            )
         module_path, attribute = name.rsplit(".", 1)
         with torch.no_grad():
             local = nn.Parameter(shard.take(old.detach()), requires_grad=old.requires_grad)
