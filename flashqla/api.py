@@ -23,6 +23,7 @@ from flashqla import reference
 BACKENDS = ("auto", "tilelang", "torch", "fla")
 BACKEND_ENV_VAR = "FLASHQLA_BACKEND"
 HOPPER_HEAD_DIM = 128
+HOPPER_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def chunk_gated_delta_rule(
@@ -59,7 +60,7 @@ def chunk_gated_delta_rule(
     Returns:
         `(o, final_state)`: o shaped and typed like v; final_state or None.
     """
-    check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)
+    cu_seqlens_host = check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)
     backend = resolve_backend(backend, q, v)
     if scale is None:
         scale = q.shape[-1] ** -0.5
@@ -76,7 +77,9 @@ def chunk_gated_delta_rule(
         )
     if use_qk_l2norm_in_kernel:
         q, k = reference.l2_normalize(q), reference.l2_normalize(k)
-    return HopperGatedDeltaRule.apply(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+    return HopperGatedDeltaRule.apply(
+        q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_host
+    )
 
 
 class HopperGatedDeltaRule(torch.autograd.Function):
@@ -84,10 +87,12 @@ class HopperGatedDeltaRule(torch.autograd.Function):
     chunk states rather than keeping them alive between forward and backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
+    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_host):
         from flashqla import hopper
 
-        o, final_state = hopper.forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+        o, final_state = hopper.forward(
+            q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_host=cu_seqlens_host
+        )
         ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
         ctx.scale = scale
         return o, final_state
@@ -101,7 +106,7 @@ class HopperGatedDeltaRule(torch.autograd.Function):
             q, k, v, g, beta, ctx.scale, initial_state, cu_seqlens, d_o, d_final_state
         )
         dh0 = dh0 if initial_state is not None else None
-        return dq, dk, dv, dg, dbeta, None, dh0, None, None
+        return dq, dk, dv, dg, dbeta, None, dh0, None, None, None
 
 
 def resolve_backend(backend: str, q: torch.Tensor, v: torch.Tensor) -> str:
@@ -116,7 +121,10 @@ def resolve_backend(backend: str, q: torch.Tensor, v: torch.Tensor) -> str:
         if not _hopper_available(q.device):
             return "torch"
         if q.shape[-1] != HOPPER_HEAD_DIM or v.shape[-1] != HOPPER_HEAD_DIM:
-            _warn_head_dim_fallback(q.shape[-1], v.shape[-1])
+            _warn_fallback(f"the TileLang kernels support K = V = {HOPPER_HEAD_DIM}, got K={q.shape[-1]}, V={v.shape[-1]}")
+            return "torch"
+        if q.dtype not in HOPPER_DTYPES:
+            _warn_fallback(f"the TileLang kernels take bfloat16 or float16 q/k/v, got {q.dtype}")
             return "torch"
         return "tilelang"
     if backend == "tilelang":
@@ -134,12 +142,8 @@ def resolve_backend(backend: str, q: torch.Tensor, v: torch.Tensor) -> str:
 
 
 @functools.cache
-def _warn_head_dim_fallback(head_k: int, head_v: int) -> None:
-    warnings.warn(
-        f"flashqla: the TileLang kernels support K = V = {HOPPER_HEAD_DIM}, got K={head_k}, V={head_v}; "
-        f"backend='auto' falls back to the torch path (much slower)",
-        stacklevel=4,
-    )
+def _warn_fallback(reason: str) -> None:
+    warnings.warn(f"flashqla: {reason}; backend='auto' falls back to the torch path (much slower)", stacklevel=4)
 
 
 def _hopper_available(device: torch.device) -> bool:
@@ -152,8 +156,10 @@ def _hopper_available(device: torch.device) -> bool:
     return True
 
 
-def check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens) -> None:
-    """Raise TypeError/ValueError naming the argument for anything outside the contract."""
+def check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens) -> list[int] | None:
+    """Raise TypeError/ValueError naming the argument for anything outside the contract.
+
+    Returns cu_seqlens read back to the host (the kernels plan their grid from it), or None."""
     for name, x, rank in (("q", q, 4), ("k", k, 4), ("v", v, 4), ("g", g, 3), ("beta", beta, 3)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -183,9 +189,10 @@ def check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens) -> None:
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, Real) or not scale > 0):
         raise ValueError(f"scale must be a positive number or None, got {scale!r}")
 
-    num_sequences = B
+    num_sequences, bounds = B, None
     if cu_seqlens is not None:
-        num_sequences = _check_cu_seqlens(cu_seqlens, B, T, q.device)
+        bounds = _check_cu_seqlens(cu_seqlens, B, T, q.device)
+        num_sequences = len(bounds) - 1
     if initial_state is not None:
         if not isinstance(initial_state, torch.Tensor) or not initial_state.is_floating_point():
             raise TypeError(f"initial_state must be a floating-point tensor, got {initial_state!r:.80}")
@@ -197,9 +204,10 @@ def check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens) -> None:
             )
         if initial_state.device != q.device:
             raise ValueError(f"initial_state is on {initial_state.device} but q is on {q.device}")
+    return bounds
 
 
-def _check_cu_seqlens(cu_seqlens, batch: int, seq_len: int, device: torch.device) -> int:
+def _check_cu_seqlens(cu_seqlens, batch: int, seq_len: int, device: torch.device) -> list[int]:
     if not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(f"cu_seqlens must be an integer torch.Tensor, got {type(cu_seqlens).__name__}")
     if cu_seqlens.dtype not in (torch.int32, torch.int64):
@@ -217,4 +225,4 @@ def _check_cu_seqlens(cu_seqlens, batch: int, seq_len: int, device: torch.device
         )
     if any(b < a for a, b in zip(bounds, bounds[1:])):
         raise ValueError(f"cu_seqlens must be non-decreasing, got {bounds if len(bounds) <= 16 else bounds[:16] + ['...']}")
-    return len(bounds) - 1
+    return bounds
