@@ -173,13 +173,13 @@ def _forward_backward(model, input_ids, cu_seqlens, labels, logits_probe):
     return out
 
 
-def _sharded_copy(reference: QwenHybridForCausalLM, groups, activation_checkpointing: bool) -> QwenHybridForCausalLM:
+def _sharded_copy(reference, groups, activation_checkpointing=False, sequence_parallel=False) -> QwenHybridForCausalLM:
     model = copy.deepcopy(reference)
     if groups.tp_rank != 0:
         with torch.no_grad():  # shard_model must take the weights of the group's first rank
             for param in model.parameters():
                 param.add_(1.0)
-    shard_model(model, groups)
+    shard_model(model, groups, sequence_parallel=sequence_parallel)
     model.set_activation_checkpointing(activation_checkpointing)
     return model
 
@@ -202,7 +202,9 @@ def _outputs_and_gradients(model, reference, got, expected) -> dict[str, tuple[t
     return pairs
 
 
-def _check_sharded_runs(make_reference, batch, logits_probe, groups, dtypes, activation_checkpointing=False) -> None:
+def _check_sharded_runs(
+    make_reference, batch, logits_probe, groups, dtypes, activation_checkpointing=False, sequence_parallel=False
+) -> None:
     """Run the unsharded model and its sharded copy in each dtype (the first must be float64) on
     `batch`. float64: the loss, logits and every gradient within 1e-5 of the unsharded model (the
     norms compute in float32 even then; errors stay near 1e-6, a wrong shard or sum is off by >1e-2).
@@ -213,10 +215,14 @@ def _check_sharded_runs(make_reference, batch, logits_probe, groups, dtypes, act
     truth = None
     for dtype in dtypes:
         reference = make_reference(dtype)
-        model = _sharded_copy(reference, groups, activation_checkpointing)
+        model = _sharded_copy(reference, groups, activation_checkpointing, sequence_parallel)
+        layer_input_tokens = []
+        model.model.layers[0].register_forward_pre_hook(lambda _, args: layer_input_tokens.append(args[0].shape[1]))
         probe = None if logits_probe is None else logits_probe.to(dtype)
         expected = _forward_backward(reference, *batch, probe)
         got = _forward_backward(model, *batch, probe)
+        num_tokens = batch[0].shape[1]
+        assert layer_input_tokens[0] == (num_tokens // groups.tp_size if sequence_parallel else num_tokens)
         pairs = _outputs_and_gradients(model, reference, got, expected)
         if truth is None:
             truth = {name: unsharded for name, (_, unsharded) in pairs.items()}
@@ -237,25 +243,27 @@ def _check_sharded_runs(make_reference, batch, logits_probe, groups, dtypes, act
         del reference, model, expected, got, pairs
 
 
-def _check_matches_unsharded(config_overrides: dict, activation_checkpointing: bool) -> None:
+def _check_matches_unsharded(config_overrides: dict, activation_checkpointing: bool, sequence_parallel: bool) -> None:
     groups = init_parallel_groups(dist.get_world_size())
     config = _tiny_config(**config_overrides)
     batch = _packed_batch(config, seed=1)
     logits_probe = torch.randn(1, batch[0].shape[1], config.vocab_size, generator=torch.Generator().manual_seed(2))
     _check_sharded_runs(
         lambda dtype: _random_model(config).to(dtype), batch, logits_probe, groups, (torch.float64, torch.float32),
-        activation_checkpointing,
+        activation_checkpointing, sequence_parallel,
     )
 
 
-def test_tp2_logits_loss_and_gradients_match_unsharded(world2):
-    world2.run(_check_matches_unsharded, {}, False)
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_tp2_logits_loss_and_gradients_match_unsharded(world2, sequence_parallel):
+    world2.run(_check_matches_unsharded, {}, False, sequence_parallel)
 
 
-def test_tp4_with_replicated_kv_heads_and_activation_checkpointing_matches_unsharded(world4):
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_tp4_with_replicated_kv_heads_and_activation_checkpointing_matches_unsharded(world4, sequence_parallel):
     plan = plan_tensor_parallel(_tiny_config(**TP4_OVERRIDES), 4, 1)
     assert plan.shards["model.layers.1.self_attn.k_proj.weight"].copies == 2
-    world4.run(_check_matches_unsharded, TP4_OVERRIDES, True)
+    world4.run(_check_matches_unsharded, TP4_OVERRIDES, True, sequence_parallel)
 
 
 def _check_training_follows_unsharded(num_steps: int, directory: str) -> None:
@@ -314,6 +322,19 @@ def test_hf_checkpoint_loads_into_shards_like_load_then_shard(world2, tmp_path, 
     model = _random_model(_tiny_config(tie_word_embeddings=tie_word_embeddings))
     model.save_pretrained(tmp_path)
     world2.run(_check_hf_load_into_shards, str(tmp_path), tie_word_embeddings)
+
+
+def _check_sequence_parallel_needs_tokens_divisible_by_tp() -> None:
+    groups = init_parallel_groups(dist.get_world_size())
+    config = _tiny_config()
+    model = shard_model(_random_model(config), groups, sequence_parallel=True)
+    input_ids, cu_seqlens, labels = _packed_batch(config, seed=1, num_tokens=41)
+    with pytest.raises(ValueError, match="the token count must be a multiple of tp"):
+        model(input_ids, cu_seqlens=cu_seqlens, labels=labels)
+
+
+def test_sequence_parallel_rejects_token_count_not_divisible_by_tp(world2):
+    world2.run(_check_sequence_parallel_needs_tokens_divisible_by_tp)
 
 
 def _check_groups_layout() -> None:
@@ -417,7 +438,9 @@ def test_shards_of_every_rank_tile_each_parameter_exactly_once():
     assert plans[0].local_heads["model.layers.3.self_attn"] == {"num_heads": 2, "num_kv_heads": 1}
 
 
-def _check_deepspeed_zero_over_data_parallel_group(zero_stage: int, num_steps: int, directory: str) -> None:
+def _check_deepspeed_zero_over_data_parallel_group(
+    zero_stage: int, sequence_parallel: bool, num_steps: int, directory: str
+) -> None:
     """tp = 2 x dp = 2 under DeepSpeed ZeRO with `mpu=groups` follows the unsharded model trained on
     the mean loss of both data-parallel batches; DeepSpeed's gradient norm counts each shard once;
     its checkpoint (one file set per tp rank) resumes the same run."""
@@ -429,7 +452,7 @@ def _check_deepspeed_zero_over_data_parallel_group(zero_stage: int, num_steps: i
     groups = init_parallel_groups(2)
     config = _tiny_config()
     reference = _random_model(config, seed=6)
-    model = shard_model(copy.deepcopy(reference), groups)
+    model = shard_model(copy.deepcopy(reference), groups, sequence_parallel=sequence_parallel)
     ds_config = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
@@ -464,7 +487,7 @@ def _check_deepspeed_zero_over_data_parallel_group(zero_stage: int, num_steps: i
         assert relative_error(grad_norm, reference_norm) <= 1e-4, (step, grad_norm.item(), reference_norm.item())
 
     engine.save_checkpoint(directory, tag="resume")
-    resumed = make_engine(shard_model(_random_model(config, seed=99), groups))
+    resumed = make_engine(shard_model(_random_model(config, seed=99), groups, sequence_parallel=sequence_parallel))
     resumed.load_checkpoint(directory, tag="resume")
     input_ids, cu_seqlens, labels = _packed_batch(config, seed=1000 + groups.dp_rank)
     losses = []
@@ -475,9 +498,9 @@ def _check_deepspeed_zero_over_data_parallel_group(zero_stage: int, num_steps: i
     assert torch.equal(losses[0], losses[1]), [loss.item() for loss in losses]
 
 
-@pytest.mark.parametrize("zero_stage", [1, 2, 3])
-def test_deepspeed_zero_with_tp2_dp2_follows_unsharded_and_resumes(world4, tmp_path, zero_stage):
-    world4.run(_check_deepspeed_zero_over_data_parallel_group, zero_stage, 3, str(tmp_path))
+@pytest.mark.parametrize("zero_stage, sequence_parallel", [(1, False), (2, False), (3, False), (2, True)])
+def test_deepspeed_zero_with_tp2_dp2_follows_unsharded_and_resumes(world4, tmp_path, zero_stage, sequence_parallel):
+    world4.run(_check_deepspeed_zero_over_data_parallel_group, zero_stage, sequence_parallel, 3, str(tmp_path))
 
 
 def _check_matches_unsharded_on_device(device_type: str, num_tokens: int, config_overrides: dict) -> None:

@@ -25,15 +25,17 @@ def load_sharded_hf_checkpoint(
     groups: ParallelGroups,
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
+    sequence_parallel: bool = False,
     **config_overrides,
 ) -> QwenHybridForCausalLM:
-    """This rank's shard of the checkpoint at `path`, as `shard_model(from_pretrained(path))` would
-    give it. Arguments as `QwenHybridForCausalLM.from_pretrained`; tp = 1 is `from_pretrained`.
+    """This rank's shard of the checkpoint at `path`, as `shard_model(from_pretrained(path),
+    groups, sequence_parallel)` would give it. Other arguments as
+    `QwenHybridForCausalLM.from_pretrained`; tp = 1 is `from_pretrained`.
     Every rank of the tensor-parallel group must call it (the hooks it attaches are collective)."""
     if groups.tp_size == 1:
         return QwenHybridForCausalLM.from_pretrained(path, dtype=dtype, device=device, **config_overrides)
     config = QwenHybridConfig.from_hf(checkpoint_io.read_config(path), **config_overrides)
-    plan = plan_tensor_parallel(config, groups.tp_size, groups.tp_rank)
+    plan = plan_tensor_parallel(config, groups.tp_size, groups.tp_rank, sequence_parallel)
     with torch.device("meta"):
         model = QwenHybridForCausalLM(config)
     full_shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}

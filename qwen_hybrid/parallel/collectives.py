@@ -4,6 +4,11 @@ A head-sharded block reads the full (replicated) hidden state and writes a parti
 output: `copy_to_tensor_parallel` on its input (identity forward, all-reduce of the input
 gradient backward) and `reduce_from_tensor_parallel` on its output (all-reduce forward, identity
 backward) make both the values and every gradient equal those of the unsharded block.
+
+With sequence parallelism the hidden state between blocks is split by tokens (dim 1 of
+[B, T, H]) instead of replicated: `gather_tokens` (all-gather forward, reduce-scatter backward)
+and `reduce_scatter_tokens` (the reverse) take the places of the two above, moving the same bytes
+while each rank keeps only T/tp tokens of the residual stream and its norms.
 """
 from __future__ import annotations
 
@@ -78,3 +83,67 @@ def gather_last_dim_from_tensor_parallel(x: torch.Tensor, group) -> torch.Tensor
     if group_size(group) == 1:
         return x
     return _GatherLastDimFromTensorParallel.apply(x, group)
+
+
+def _token_chunk(x: torch.Tensor, size: int) -> int:
+    if x.shape[1] % size != 0:
+        raise ValueError(
+            f"sequence parallelism splits the {x.shape[1]} tokens of a {tuple(x.shape)} hidden state over "
+            f"{size} ranks: the token count must be a multiple of tp"
+        )
+    return x.shape[1] // size
+
+
+def _all_gather_tokens(x: torch.Tensor, group) -> torch.Tensor:
+    size = group_size(group)
+    tokens_first = x.transpose(0, 1).contiguous()  # [T/tp, B, H]: rank chunks are contiguous
+    out = tokens_first.new_empty((tokens_first.shape[0] * size, *tokens_first.shape[1:]))
+    dist.all_gather_into_tensor(out, tokens_first, group=group)
+    return out.transpose(0, 1)
+
+
+def _reduce_scatter_tokens(x: torch.Tensor, group) -> torch.Tensor:
+    size = group_size(group)
+    chunk = _token_chunk(x, size)
+    tokens_first = x.transpose(0, 1).contiguous()  # [T, B, H]
+    out = tokens_first.new_empty((chunk, *tokens_first.shape[1:]))
+    dist.reduce_scatter_tensor(out, tokens_first, group=group)
+    return out.transpose(0, 1)
+
+
+class _GatherTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather_tokens(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_tokens(grad, ctx.group), None
+
+
+class _ReduceScatterTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_tokens(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_tokens(grad, ctx.group), None
+
+
+def gather_tokens(x: torch.Tensor, group) -> torch.Tensor:
+    """[B, T/tp, H] token slices of every rank -> [B, T, H] in rank order; backward sums the
+    gradient over the group and keeps this rank's tokens."""
+    if group_size(group) == 1:
+        return x
+    return _GatherTokens.apply(x, group)
+
+
+def reduce_scatter_tokens(x: torch.Tensor, group) -> torch.Tensor:
+    """[B, T, H] partial sums -> this rank's tokens [B, T/tp, H] of their sum over the group;
+    backward all-gathers the gradient."""
+    if group_size(group) == 1:
+        return x
+    return _ReduceScatterTokens.apply(x, group)

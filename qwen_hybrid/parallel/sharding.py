@@ -16,6 +16,13 @@ need nothing: their inputs and gradients are already whole on every rank.
 
 Each block's input passes `copy_to_tensor_parallel` and its output `reduce_from_tensor_parallel`
 (module hooks), so the model code runs unchanged on its local head counts.
+
+Sequence parallelism (`sequence_parallel=True`, Megatron's): between blocks each rank keeps only
+T/tp tokens of the residual stream; blocks all-gather their input tokens and reduce-scatter their
+output, the embedding reduce-scatters, the final norm all-gathers for the LM head. Same traffic,
+and the layer inputs that activation checkpointing keeps (and the residual norms' activations)
+shrink by tp. The token count must divide by tp; the residual norms' gradients are then summed
+over the group too.
 """
 from __future__ import annotations
 
@@ -29,7 +36,12 @@ from torch import nn
 from qwen_hybrid.config import QwenHybridConfig
 from qwen_hybrid.layers import DecoderLayer
 from qwen_hybrid.model import QwenHybridForCausalLM
-from qwen_hybrid.parallel.collectives import copy_to_tensor_parallel, reduce_from_tensor_parallel
+from qwen_hybrid.parallel.collectives import (
+    copy_to_tensor_parallel,
+    gather_tokens,
+    reduce_from_tensor_parallel,
+    reduce_scatter_tokens,
+)
 from qwen_hybrid.parallel.groups import ParallelGroups
 from qwen_hybrid.parallel.vocab import VocabParallelEmbedding, VocabParallelLMHead
 
@@ -66,7 +78,8 @@ class ParameterShard:
 class TensorParallelPlan:
     """What rank `tp_rank` of `tp_size` holds: `shards` by parameter name (every other parameter is
     whole); `partial_gradient`: whole parameters whose gradient here covers local heads only;
-    `local_heads`: head-count attributes to set per module path; `vocab_start`: first vocabulary row."""
+    `local_heads`: head-count attributes to set per module path; `vocab_start`: first vocabulary row;
+    `sequence_parallel`: the residual stream is split by tokens between blocks."""
 
     tp_size: int
     tp_rank: int
@@ -74,9 +87,12 @@ class TensorParallelPlan:
     partial_gradient: tuple[str, ...]
     local_heads: dict[str, dict[str, int]]
     vocab_start: int
+    sequence_parallel: bool = False
 
 
-def plan_tensor_parallel(config: QwenHybridConfig, tp_size: int, tp_rank: int) -> TensorParallelPlan:
+def plan_tensor_parallel(
+    config: QwenHybridConfig, tp_size: int, tp_rank: int, sequence_parallel: bool = False
+) -> TensorParallelPlan:
     """The shard plan of one rank. Raises ValueError naming the layer and the counts when a head
     count, the intermediate size or the vocabulary does not split over tp_size."""
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
@@ -150,6 +166,8 @@ def plan_tensor_parallel(config: QwenHybridConfig, tp_size: int, tp_rank: int) -
         intermediate = config.intermediate_size
         if intermediate % tp != 0:
             raise ValueError(f"{prefix}.mlp: intermediate_size = {intermediate} does not divide by tp = {tp}")
+        if sequence_parallel:  # residual norms then see only this rank's tokens
+            partial_gradient += [f"{prefix}.input_layernorm.weight", f"{prefix}.post_attention_layernorm.weight"]
         mlp_rows = (rows(0, intermediate // tp),)
         shards[f"{prefix}.mlp.gate_proj.weight"] = ParameterShard(0, mlp_rows, intermediate)
         shards[f"{prefix}.mlp.up_proj.weight"] = ParameterShard(0, mlp_rows, intermediate)
@@ -161,14 +179,19 @@ def plan_tensor_parallel(config: QwenHybridConfig, tp_size: int, tp_rank: int) -
     vocab_rows = (rows(0, config.vocab_size // tp),)
     shards["model.embed_tokens.weight"] = ParameterShard(0, vocab_rows, config.vocab_size)
     shards["lm_head.weight"] = ParameterShard(0, vocab_rows, config.vocab_size)
+    if sequence_parallel:
+        partial_gradient.append("model.norm.weight")
     return TensorParallelPlan(
         tp_size=tp, tp_rank=r, shards=shards, partial_gradient=tuple(partial_gradient),
-        local_heads=local_heads, vocab_start=vocab_rows[0][0],
+        local_heads=local_heads, vocab_start=vocab_rows[0][0], sequence_parallel=sequence_parallel,
     )
 
 
-def shard_model(model: QwenHybridForCausalLM, groups: ParallelGroups) -> QwenHybridForCausalLM:
-    """Shard a built model by heads over `groups.tp_group`, in place; returns it.
+def shard_model(
+    model: QwenHybridForCausalLM, groups: ParallelGroups, sequence_parallel: bool = False
+) -> QwenHybridForCausalLM:
+    """Shard a built model by heads over `groups.tp_group`, in place; returns it. With
+    `sequence_parallel` the residual stream is also split by tokens (see the module docstring).
 
     Every rank of the tensor-parallel group calls this on its copy of the model; the weights are
     first broadcast from the group's first rank, so the copies need not agree. tp = 1 returns the
@@ -181,7 +204,7 @@ def shard_model(model: QwenHybridForCausalLM, groups: ParallelGroups) -> QwenHyb
         return model
     if getattr(model, "tensor_parallel_plan", None) is not None:
         raise ValueError("model is already sharded (it has a tensor_parallel_plan)")
-    plan = plan_tensor_parallel(model.config, groups.tp_size, groups.tp_rank)
+    plan = plan_tensor_parallel(model.config, groups.tp_size, groups.tp_rank, sequence_parallel)
     _broadcast_from_first_tp_rank(model, groups)
     cut_to_local_shards(model, plan, groups)
     attach_tensor_parallel(model, plan, groups)
@@ -232,10 +255,13 @@ def cut_to_local_shards(model: QwenHybridForCausalLM, plan: TensorParallelPlan, 
             module.out_features, module.in_features = module.weight.shape
     embedding = model.model.embed_tokens
     model.model.embed_tokens = VocabParallelEmbedding(
-        embedding.weight, plan.vocab_start, config.vocab_size, embedding.padding_idx, groups.tp_group
+        embedding.weight, plan.vocab_start, config.vocab_size, embedding.padding_idx, groups.tp_group,
+        sequence_parallel=plan.sequence_parallel,
     )
     head_weight = model.model.embed_tokens.weight if config.tie_word_embeddings else model.lm_head.weight
-    model.lm_head = VocabParallelLMHead(head_weight, plan.vocab_start, config.vocab_size, groups.tp_group)
+    model.lm_head = VocabParallelLMHead(
+        head_weight, plan.vocab_start, config.vocab_size, groups.tp_group, hidden_gathered=plan.sequence_parallel
+    )
 
 
 def _check_plan_covers(layer: DecoderLayer, prefix: str, plan: TensorParallelPlan) -> None:
@@ -259,13 +285,19 @@ def attach_tensor_parallel(model: QwenHybridForCausalLM, plan: TensorParallelPla
     for whole-but-partial parameters and for replicated slices, DeepSpeed's `tensor_model_parallel`
     flags. Call once, after the final parameter tensors are in place."""
     group = groups.tp_group
+    enter, leave = copy_to_tensor_parallel, reduce_from_tensor_parallel
+    if plan.sequence_parallel:
+        enter, leave = gather_tokens, reduce_scatter_tokens
+        model.model.norm.register_forward_hook(functools.partial(_leave_block, collective=gather_tokens, group=group))
     for layer in model.model.layers:
         for child in ("linear_attn", "self_attn", "mlp"):
             block = getattr(layer, child, None)
             if block is None:
                 continue
-            block.register_forward_pre_hook(functools.partial(_copy_block_input, group=group), with_kwargs=True)
-            block.register_forward_hook(functools.partial(_reduce_block_output, group=group))
+            block.register_forward_pre_hook(
+                functools.partial(_enter_block, collective=enter, group=group), with_kwargs=True
+            )
+            block.register_forward_hook(functools.partial(_leave_block, collective=leave, group=group))
     parameters = dict(model.named_parameters(remove_duplicate=False))
     for name in plan.partial_gradient:
         parameters[name].register_hook(functools.partial(_sum_gradient, group=group))
@@ -277,15 +309,15 @@ def attach_tensor_parallel(model: QwenHybridForCausalLM, plan: TensorParallelPla
     model.tensor_parallel_plan = plan
 
 
-def _copy_block_input(module, args, kwargs, group):
+def _enter_block(module, args, kwargs, collective, group):
     if args:
-        return (copy_to_tensor_parallel(args[0], group), *args[1:]), kwargs
+        return (collective(args[0], group), *args[1:]), kwargs
     name = next(iter(kwargs))
-    return args, {**kwargs, name: copy_to_tensor_parallel(kwargs[name], group)}
+    return args, {**kwargs, name: collective(kwargs[name], group)}
 
 
-def _reduce_block_output(module, args, output, group):
-    return reduce_from_tensor_parallel(output, group)
+def _leave_block(module, args, output, collective, group):
+    return collective(output, group)
 
 
 def _sum_gradient(grad: torch.Tensor, group) -> torch.Tensor:
@@ -314,7 +346,9 @@ def gather_full_state_dict(
     plan = getattr(model, "tensor_parallel_plan", None)
     if plan is None:
         return {name: tensor.detach().to(device) for name, tensor in model.state_dict().items()}
-    rank_plans = [plan_tensor_parallel(model.config, plan.tp_size, r) for r in range(plan.tp_size)]
+    rank_plans = [
+        plan_tensor_parallel(model.config, plan.tp_size, r, plan.sequence_parallel) for r in range(plan.tp_size)
+    ]
     keep = groups.tp_rank == 0
     state: dict[str, torch.Tensor] = {}
     for name, tensor in model.state_dict().items():

@@ -15,23 +15,29 @@ from torch import nn
 from qwen_hybrid.loss import DEFAULT_CHUNK_SIZE, IGNORE_INDEX
 from qwen_hybrid.parallel.collectives import (
     copy_to_tensor_parallel,
-    group_size,
     gather_last_dim_from_tensor_parallel,
+    group_size,
     reduce_from_tensor_parallel,
+    reduce_scatter_tokens,
 )
 
 
 class VocabParallelEmbedding(nn.Module):
     """This rank's rows [vocab_start, vocab_start + weight.shape[0]) of the token embedding; other
-    tokens embed to zero here and the all-reduce over the group fills them in."""
+    tokens embed to zero here and the all-reduce over the group fills them in (with
+    `sequence_parallel` a reduce-scatter, leaving this rank its slice of the tokens)."""
 
-    def __init__(self, weight: nn.Parameter, vocab_start: int, vocab_size: int, padding_idx: int | None, group):
+    def __init__(
+        self, weight: nn.Parameter, vocab_start: int, vocab_size: int, padding_idx: int | None, group,
+        sequence_parallel: bool = False,
+    ):
         super().__init__()
         self.weight = weight
         self.vocab_start = vocab_start
         self.vocab_size = vocab_size
         self.padding_idx = padding_idx
         self.group = group
+        self.sequence_parallel = sequence_parallel
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         local_rows = self.weight.shape[0]
@@ -42,6 +48,8 @@ class VocabParallelEmbedding(nn.Module):
             local_padding = self.padding_idx - self.vocab_start
         embedded = F.embedding(torch.where(here, local_ids, 0), self.weight, padding_idx=local_padding)
         embedded = embedded * here.unsqueeze(-1).to(embedded.dtype)
+        if self.sequence_parallel:
+            return reduce_scatter_tokens(embedded, self.group)
         return reduce_from_tensor_parallel(embedded, self.group)
 
     def extra_repr(self) -> str:
@@ -51,21 +59,27 @@ class VocabParallelEmbedding(nn.Module):
 
 class VocabParallelLMHead(nn.Module):
     """Drop-in for the model's `LMHead` over this rank's vocabulary rows: without labels it returns
-    the full logits (gathered over the group); with labels the vocabulary-parallel chunked loss."""
+    the full logits (gathered over the group); with labels the vocabulary-parallel chunked loss.
 
-    def __init__(self, weight: nn.Parameter, vocab_start: int, vocab_size: int, group):
+    `hidden_gathered`: the hidden state arrives through `gather_tokens` (sequence parallelism),
+    whose backward already sums the partial hidden gradients of the ranks."""
+
+    def __init__(self, weight: nn.Parameter, vocab_start: int, vocab_size: int, group, hidden_gathered: bool = False):
         super().__init__()
         self.weight = weight
         self.vocab_start = vocab_start
         self.vocab_size = vocab_size
         self.group = group
+        self.hidden_gathered = hidden_gathered
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE):
         if labels is None:
-            local_logits = F.linear(copy_to_tensor_parallel(hidden, self.group), self.weight)
-            return gather_last_dim_from_tensor_parallel(local_logits, self.group)
+            if not self.hidden_gathered:
+                hidden = copy_to_tensor_parallel(hidden, self.group)
+            return gather_last_dim_from_tensor_parallel(F.linear(hidden, self.weight), self.group)
         return vocab_parallel_cross_entropy(
-            hidden, self.weight, labels, self.vocab_start, self.group, chunk_size=chunk_size
+            hidden, self.weight, labels, self.vocab_start, self.group, chunk_size=chunk_size,
+            sum_hidden_gradient=not self.hidden_gathered,
         )
 
     def extra_repr(self) -> str:
@@ -81,14 +95,16 @@ def vocab_parallel_cross_entropy(
     group,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     ignore_index: int = IGNORE_INDEX,
+    sum_hidden_gradient: bool = True,
 ) -> torch.Tensor:
     """Mean cross entropy of the logits `hidden @ full_weight.T`, where this rank holds the rows
     `weight` = full_weight[vocab_start : vocab_start + weight.shape[0]].
 
     hidden: [T, H], the same on every rank of `group`; labels: [T] global token ids (already
     shifted), `ignore_index` skipped. Returns the same float32 scalar on every rank (float64 for
-    float64 inputs). The backward
-    gives this rank's weight rows their full gradient and all-reduces the hidden gradient.
+    float64 inputs). The backward gives this rank's weight rows their full gradient, and hidden the
+    sum over the group of the ranks' partial gradients; `sum_hidden_gradient=False` leaves it
+    partial, for a hidden that came through a collective summing it in its own backward.
     """
     if hidden.dim() != 2:
         raise ValueError(f"hidden must be [T, H], got shape {tuple(hidden.shape)}")
@@ -100,6 +116,8 @@ def vocab_parallel_cross_entropy(
         raise TypeError(f"hidden and weight must share a dtype, got hidden {hidden.dtype}, weight {weight.dtype}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if sum_hidden_gradient:
+        hidden = copy_to_tensor_parallel(hidden, group)
     return _VocabParallelCrossEntropy.apply(hidden, weight, labels, vocab_start, group, chunk_size, ignore_index)
 
 
@@ -139,7 +157,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         hidden, weight, local_labels, label_here, valid, logsumexp, num_valid = ctx.saved_tensors
-        # d loss / d local logits = (softmax over the full vocabulary - onehot) * valid * grad / num_valid
+        # d loss / d local logits = (softmax over the full vocabulary - onehot) * valid * grad / num_valid;
+        # the hidden gradient from this rank's rows alone is partial: the caller's collective sums it
         accumulate = logsumexp.dtype
         row_scale = valid.to(accumulate) * (grad_loss.to(accumulate) / num_valid.clamp(min=1))
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
@@ -162,9 +181,6 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
                 else:
                     grad_weight.add_(grad_logits.t() @ h)
             del grad_logits
-        if grad_hidden is not None and group_size(ctx.group) > 1:
-            # each rank saw only its vocabulary rows: the hidden gradient is the sum over ranks
-            dist.all_reduce(grad_hidden, group=ctx.group)
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None, None
