@@ -505,7 +505,8 @@ def test_deepspeed_zero_with_tp2_dp2_follows_unsharded_and_resumes(world4, tmp_p
 
 def _check_matches_unsharded_on_device(device_type: str, num_tokens: int, config_overrides: dict) -> None:
     """A 0.8B-shaped slice (one GDN and one attention layer, by default the real 248k vocabulary,
-    packed documents) on one device a rank, in float64, float32 (TF32 off) and bf16."""
+    packed documents) on one device a rank, in float64, float32 (TF32 off) and bf16, without and
+    with sequence parallelism."""
     device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -523,9 +524,11 @@ def _check_matches_unsharded_on_device(device_type: str, num_tokens: int, config
         with torch.device(device):
             return QwenHybridForCausalLM(config).to(dtype)
 
-    _check_sharded_runs(
-        make_reference, (input_ids, cu_seqlens, input_ids), None, groups, (torch.float64, torch.float32, torch.bfloat16)
-    )
+    for sequence_parallel in (False, True):
+        _check_sharded_runs(
+            make_reference, (input_ids, cu_seqlens, input_ids), None, groups,
+            (torch.float64, torch.float32, torch.bfloat16), sequence_parallel=sequence_parallel,
+        )
 
 
 @pytest.mark.gpu
