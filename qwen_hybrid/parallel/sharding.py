@@ -12,7 +12,7 @@ Per decoder layer, rank r of a tensor-parallel group of size tp holds:
 - Embedding and LM head: vocabulary rows (`vocab.py`).
 Norm weights shared by all heads (the GDN output norm, q_norm, k_norm) stay whole on every rank;
 their gradients, computed from local heads only, are summed over the group. Residual-stream norms
-need nothing: their inputs and gradients are already whole on every rank.
+need nothing (without sequence parallelism): their inputs and gradients are whole on every rank.
 
 Each block's input passes `copy_to_tensor_parallel` and its output `reduce_from_tensor_parallel`
 (module hooks), so the model code runs unchanged on its local head counts.
