@@ -42,7 +42,13 @@ class _CopyToTensorParallel(torch.autograd.Function):
 class _ReduceFromTensorParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        return _all_reduce(x, group)
+        if not x.is_contiguous():
+            return _all_reduce(x, group)
+        # in place: x is a projection's fresh output; were it saved for backward, autograd's
+        # version check would raise instead of computing with the reduced values
+        dist.all_reduce(x, group=group)
+        ctx.mark_dirty(x)
+        return x
 
     @staticmethod
     def backward(ctx, grad):
