@@ -195,8 +195,8 @@ def shard_model(
 
     Every rank of the tensor-parallel group calls this on its copy of the model; the weights are
     first broadcast from the group's first rank, so the copies need not agree. tp = 1 returns the
-    model untouched. Apply before DeepSpeed/ZeRO wrapping and before activation checkpointing is
-    switched on; do not replace the parameters afterwards (their gradient hooks live on them).
+    model untouched. Apply before DeepSpeed wrapping (and before building an optimizer); do not
+    replace the parameters afterwards (their gradient hooks live on them).
     """
     if not isinstance(model, QwenHybridForCausalLM):
         raise TypeError(f"model must be a QwenHybridForCausalLM, got {type(model).__name__}")
@@ -236,7 +236,7 @@ def cut_to_local_shards(model: QwenHybridForCausalLM, plan: TensorParallelPlan, 
     for name, shard in plan.shards.items():
         if config.tie_word_embeddings and name == "lm_head.weight":
             continue  # the same tensor as the embedding: cut once, re-tied below
-        old = parameters[name]
+        old = parameters.pop(name)  # the last reference: each full tensor is freed once cut
         expected = shard.full_size
         if old.shape[shard.dim] != expected:
             raise ValueError(
