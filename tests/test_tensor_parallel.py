@@ -410,6 +410,19 @@ def test_plan_names_the_layer_and_counts_that_do_not_split(overrides, tp, messag
         plan_tensor_parallel(_tiny_config(**overrides), tp, 0)
 
 
+@pytest.mark.parametrize("size", ["0.8B", "2B", "4B", "9B", "27B"])
+def test_every_qwen3_5_size_splits_over_1_2_4_and_8_ranks(size):
+    config = QwenHybridConfig.named(size)
+    for tp in (1, 2, 4, 8):
+        plan = plan_tensor_parallel(config, tp, tp - 1)
+        gdn = plan.local_heads["model.layers.0.linear_attn"]
+        assert gdn["num_k_heads"] * tp == config.linear_num_key_heads
+        assert gdn["num_v_heads"] * tp == config.linear_num_value_heads
+        attention = plan.local_heads["model.layers.3.self_attn"]
+        assert attention["num_heads"] * tp == config.num_attention_heads
+        assert attention["num_kv_heads"] * min(tp, config.num_key_value_heads) == config.num_key_value_heads
+
+
 def test_plan_accepts_kv_heads_that_divide_tp():
     config = _tiny_config(linear_num_key_heads=6, linear_num_value_heads=6, num_attention_heads=6,
                           num_key_value_heads=3, intermediate_size=120, vocab_size=516)
