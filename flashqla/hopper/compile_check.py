@@ -10,6 +10,7 @@ import importlib
 from flashqla.hopper.chunk_states import compile_chunk_states
 from flashqla.hopper.cumsum import compile_cumsum
 from flashqla.hopper.fused_forward import compile_fused_forward
+from flashqla.hopper.grouped_products import compile_grouped_products
 from flashqla.hopper.inverse import compile_gated_products, compile_inverse
 
 FORWARD_COMPILE_CHECKS = [
@@ -18,6 +19,7 @@ FORWARD_COMPILE_CHECKS = [
     ("gated_products", lambda: compile_gated_products()),
     ("fused_forward", lambda: compile_fused_forward(64)),
     ("chunk_states", lambda: compile_chunk_states(64, with_transition=True)),
+    ("grouped_products", lambda: compile_grouped_products()),
 ]
 
 
