@@ -1,0 +1,225 @@
+"""The grouped products candidate (flashqla/hopper/grouped_products.py) against float64 and the current kernel.
+
+One `pytest -m gpu -s tests/test_hopper_grouped_products.py` on an H200 decides whether
+inverse.gated_products switches its default to grouped=True: every test here must pass, and the
+timing tests print both kernels' do_bench medians. The CPU test checks the candidate's solve
+recipe (register column solves + block iteration, tf32 products) in torch.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flashqla import reference
+from flashqla.testing import relative_error
+
+HAS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+requires_hopper = pytest.mark.skipif(not HAS_HOPPER, reason="needs an SM90 (Hopper) GPU")
+
+TOLERANCE = 2e-2
+# Both kernels store bf16 (relative rounding 2^-9); their products must sit well inside the forward's budget.
+PRODUCTS_TOLERANCE = 1e-2
+HEAD_LAYOUTS = [(16, 64), (16, 32), (16, 16), (8, 24), (2, 8)]
+# Ragged: partial chunks, an empty sequence, a one-token sequence, exact multiples of 64.
+RAGGED = [1000, 0, 64, 2047, 1, 129, 640]
+LENGTHS = {"1x4096": [4096], "ragged": RAGGED, "1x32768": [32768]}
+
+
+def _truncate_to_tf32(x: torch.Tensor) -> torch.Tensor:
+    """What a tf32 mma reads from fp32 bits: the low 13 mantissa bits dropped."""
+    return (x.float().contiguous().view(torch.int32) & ~0x1FFF).view(torch.float32)
+
+
+def test_block_iteration_recipe_inverts_exactly_and_within_tf32_budget():
+    """Y <- D - N Y from Y = D, N = D StrictBlockLower(L), reaches (I + L)^-1 in _ITERATIONS steps."""
+    from flashqla.hopper.grouped_products import _BLOCK, _ITERATIONS
+
+    gen = torch.Generator().manual_seed(0)
+    size = 64
+    block_of = torch.arange(size) // _BLOCK
+    same_block = block_of[:, None] == block_of[None, :]
+    below_block = block_of[:, None] > block_of[None, :]
+    for correlation in (0.0, 0.95):
+        shared = torch.randn(1, 128, generator=gen, dtype=torch.float64)
+        keys = F.normalize(correlation * shared + (1 - correlation) * torch.randn(size, 128, generator=gen,
+                                                                                   dtype=torch.float64), dim=-1)
+        beta = torch.rand(size, generator=gen, dtype=torch.float64)
+        lower = torch.tril(beta[:, None] * (keys @ keys.T), -1)
+        exact = torch.linalg.inv(torch.eye(size, dtype=torch.float64) + lower)
+        diag_inverse = torch.where(same_block, exact, 0.0)  # the diagonal blocks of the inverse
+        for tf32 in (False, True):
+            cast = _truncate_to_tf32 if tf32 else (lambda x: x)
+            n = torch.where(below_block, cast(diag_inverse) @ cast(lower), 0.0).to(lower.dtype)
+            y = diag_inverse.clone()
+            for _ in range(_ITERATIONS):
+                y = diag_inverse - (cast(n) @ cast(y)).to(lower.dtype)
+            error = relative_error(y, exact)
+            assert error <= (2e-3 if tf32 else 1e-12), (correlation, tf32, error)
+
+
+def make_inputs(seq_lens, num_qk_heads, num_v_heads, with_initial_state=False, seed=0):
+    """Anchors-like inputs on the GPU; a quarter of the heads never decay, a quarter decay 16x faster."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    total = sum(seq_lens)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device="cuda", dtype=torch.float32)
+
+    q = F.normalize(randn(1, total, num_qk_heads, 128), dim=-1).to(torch.bfloat16)
+    k = F.normalize(randn(1, total, num_qk_heads, 128), dim=-1).to(torch.bfloat16)
+    v = randn(1, total, num_v_heads, 128).to(torch.bfloat16)
+    g = F.logsigmoid(randn(1, total, num_v_heads)) / 16
+    if num_v_heads >= 4:
+        quarter = num_v_heads // 4
+        g[..., :quarter] = 0.0
+        g[..., quarter:2 * quarter] *= 16
+    beta = torch.rand(1, total, num_v_heads, generator=gen, device="cuda").sigmoid()
+    cu_seqlens = torch.tensor([0, *seq_lens], device="cuda").cumsum(0).to(torch.int32)
+    h0 = randn(len(seq_lens), num_v_heads, 128, 128) if with_initial_state else None
+    return dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=h0, cu_seqlens=cu_seqlens)
+
+
+def poison_allocator():
+    """Fill the caching allocator's free blocks with NaN so unwritten outputs show."""
+    free = torch.cuda.mem_get_info()[0]
+    junk = torch.empty(min(free // 4, 8 << 30) // 4, dtype=torch.float32, device="cuda").fill_(float("nan"))
+    del junk
+
+
+def products_inputs(inputs):
+    """The flattened arguments of inverse.gated_products, as hopper.forward builds them."""
+    from flashqla.hopper.chunk_plan import chunk_indices
+    from flashqla.hopper.cumsum import chunk_local_cumsum
+
+    _, total, num_qk_heads, head_dim = inputs["q"].shape
+    num_v_heads = inputs["v"].shape[2]
+    cu_seqlens = inputs["cu_seqlens"]
+    chunk_index = chunk_indices(cu_seqlens)
+    gamma = chunk_local_cumsum(inputs["g"], cu_seqlens, chunk_index=chunk_index).view(total, num_v_heads)
+    return dict(q=inputs["q"].reshape(total, num_qk_heads, head_dim).contiguous(),
+                k=inputs["k"].reshape(total, num_qk_heads, head_dim).contiguous(),
+                gamma=gamma.contiguous(), beta=inputs["beta"].reshape(total, num_v_heads).contiguous(),
+                scale=head_dim ** -0.5, cu_seqlens=cu_seqlens, chunk_index=chunk_index)
+
+
+def run_products(args, grouped):
+    from flashqla.hopper.inverse import gated_products
+
+    poison_allocator()
+    return gated_products(args["q"], args["k"], args["gamma"], args["beta"], args["scale"], args["cu_seqlens"],
+                          args["chunk_index"], grouped=grouped)
+
+
+def float64_products(args):
+    """(gated_inverse, scores) [T, Hv, 64] in float64, chunk by chunk of every sequence."""
+    q, k, gamma, beta = (args[name].double() for name in ("q", "k", "gamma", "beta"))
+    total, num_v_heads = gamma.shape
+    head_of = torch.arange(num_v_heads, device=q.device) // (num_v_heads // q.shape[1])
+    gated_inverse = torch.zeros(total, num_v_heads, 64, dtype=torch.float64, device=q.device)
+    scores = torch.zeros_like(gated_inverse)
+    bounds = args["cu_seqlens"].tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        length = end - start
+        if length == 0:
+            continue
+        chunks = -(-length // 64)
+
+        def chunked(x):  # [length, H, ...] -> [chunks, H, 64, ...], zero padded
+            padded = torch.zeros(chunks * 64, *x.shape[1:], dtype=x.dtype, device=x.device)
+            padded[:length] = x[start:end]
+            return padded.view(chunks, 64, *x.shape[1:]).transpose(1, 2)
+
+        qc, kc = chunked(q[:, head_of]), chunked(k[:, head_of])
+        gc, bc = chunked(gamma), chunked(beta)
+        eye = torch.eye(64, dtype=torch.float64, device=q.device)
+        lower = torch.tril(bc[..., :, None] * (kc @ kc.transpose(-1, -2)), -1)
+        inverse = torch.linalg.solve_triangular(eye + lower, eye.expand_as(lower), upper=False, unitriangular=True)
+        causal = torch.ones(64, 64, dtype=torch.bool, device=q.device).tril()
+        decay = torch.where(causal, gc[..., :, None] - gc[..., None, :], float("-inf")).exp()
+        ab = decay * inverse * bc[..., None, :]
+        p = args["scale"] * decay * torch.tril(qc @ kc.transpose(-1, -2))
+        gated_inverse[start:end] = ab.transpose(1, 2).reshape(chunks * 64, num_v_heads, 64)[:length]
+        scores[start:end] = p.transpose(1, 2).reshape(chunks * 64, num_v_heads, 64)[:length]
+    return gated_inverse, scores
+
+
+@pytest.mark.parametrize("lengths", list(LENGTHS), ids=list(LENGTHS))
+@pytest.mark.parametrize("heads", HEAD_LAYOUTS, ids=[f"{a}_{b}" for a, b in HEAD_LAYOUTS])
+@pytest.mark.gpu
+@requires_hopper
+def test_grouped_products_match_float64_and_current_kernel(heads, lengths):
+    args = products_inputs(make_inputs(LENGTHS[lengths], *heads, seed=heads[1] * 10 + list(LENGTHS).index(lengths)))
+    current = run_products(args, grouped=False)
+    candidate = run_products(args, grouped=True)
+    torch.cuda.synchronize()
+    exact = float64_products(args)
+    for name, got, was, ref in zip(("gated_inverse", "scores"), candidate, current, exact):
+        assert got.shape == was.shape and got.dtype == was.dtype
+        # Every token row belongs to a chunk, so a NaN left here is a row the candidate never wrote.
+        assert torch.isfinite(got).all(), f"{name}: NaN/Inf (unwritten rows?)"
+        err_candidate, err_current = relative_error(got, ref), relative_error(was, ref)
+        print(f"\n{heads} {lengths} {name}: relative L2 to float64 candidate {err_candidate:.2e}, "
+              f"current {err_current:.2e}, candidate vs current {relative_error(got, was):.2e}")
+        assert err_candidate <= PRODUCTS_TOLERANCE, f"{name}: candidate error {err_candidate:.3e}"
+        assert err_candidate <= 2 * err_current + 1e-3, f"{name}: {err_candidate:.3e} vs current {err_current:.3e}"
+
+
+@pytest.mark.parametrize("heads", [(16, 64), (8, 24), (2, 8)], ids=["16_64", "8_24", "2_8"])
+@pytest.mark.gpu
+@requires_hopper
+def test_grouped_products_are_bitwise_deterministic(heads):
+    args = products_inputs(make_inputs(RAGGED + [4096], *heads, seed=7))
+    first = run_products(args, grouped=True)
+    second = run_products(args, grouped=True)
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+
+
+@pytest.mark.parametrize("with_initial_state", [True, False], ids=["h0", "no_h0"])
+@pytest.mark.parametrize("lengths", list(LENGTHS), ids=list(LENGTHS))
+@pytest.mark.parametrize("heads", HEAD_LAYOUTS, ids=[f"{a}_{b}" for a, b in HEAD_LAYOUTS])
+@pytest.mark.gpu
+@requires_hopper
+def test_forward_with_grouped_products_matches_float64_reference(monkeypatch, heads, lengths, with_initial_state):
+    """The whole Hopper forward with the candidate in place of the current products kernel."""
+    from flashqla import hopper
+    from flashqla.hopper import inverse
+
+    calls = []
+
+    def grouped_products(*args, **kwargs):
+        calls.append(True)
+        return inverse.gated_products(*args, **kwargs, grouped=True)
+
+    monkeypatch.setattr(hopper, "gated_products", grouped_products)
+    inputs = make_inputs(LENGTHS[lengths], *heads, with_initial_state, seed=heads[1] * 10 + list(LENGTHS).index(lengths))
+    poison_allocator()
+    o, final_state = hopper.forward(inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"], None,
+                                    inputs["initial_state"], True, inputs["cu_seqlens"])
+    torch.cuda.synchronize()
+    assert calls, "hopper.forward no longer calls the module-level gated_products: patch the new call site"
+    assert torch.isfinite(o).all() and torch.isfinite(final_state).all()
+    args = {name: (x.double() if x is not None and x.is_floating_point() else x) for name, x in inputs.items()}
+    # The token loop is the ground truth; for 32k tokens the chunked float64 form keeps the test quick.
+    fn = reference.recurrent_gated_delta_rule if sum(LENGTHS[lengths]) <= 8192 else reference.chunk_gated_delta_rule_torch
+    ref_o, ref_state = fn(args["q"], args["k"], args["v"], args["g"], args["beta"], initial_state=args["initial_state"],
+                          output_final_state=True, cu_seqlens=args["cu_seqlens"])
+    err_o, err_state = relative_error(o, ref_o), relative_error(final_state, ref_state)
+    assert err_o <= TOLERANCE, f"o relative L2 error {err_o:.3e}"
+    assert err_state <= TOLERANCE, f"final state relative L2 error {err_state:.3e}"
+
+
+@pytest.mark.parametrize("heads", HEAD_LAYOUTS, ids=[f"{a}_{b}" for a, b in HEAD_LAYOUTS])
+@pytest.mark.gpu
+@requires_hopper
+def test_grouped_products_time_against_current(heads):
+    """Prints both kernels' do_bench medians on 1x32768; fails when the candidate is not faster."""
+    from triton.testing import do_bench
+
+    from flashqla.hopper.inverse import gated_products
+
+    args = products_inputs(make_inputs([32768], *heads, seed=1))
+    call = [args[name] for name in ("q", "k", "gamma", "beta", "scale", "cu_seqlens", "chunk_index")]
+    times = {grouped: do_bench(lambda: gated_products(*call, grouped=grouped), warmup=25, rep=200, return_mode="median")
+             for grouped in (False, True)}
+    print(f"\ngated_products {heads[0]}/{heads[1]} 1x32768: current {times[False]:.3f} ms, "
+          f"grouped candidate {times[True]:.3f} ms, speed-up {times[False] / times[True]:.2f}x")
+    assert times[True] < times[False], f"candidate {times[True]:.3f} ms is not faster than {times[False]:.3f} ms"
