@@ -8,6 +8,7 @@ vocabulary would otherwise need ~100 GB of float32 logits.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 IGNORE_INDEX = -100
 DEFAULT_CHUNK_SIZE = 2048
@@ -19,12 +20,20 @@ def chunked_cross_entropy(
     labels: torch.Tensor,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     ignore_index: int = IGNORE_INDEX,
+    vocab_start: int = 0,
+    group=None,
 ) -> torch.Tensor:
     """Mean cross entropy of `hidden @ weight.T` against `labels`, ignoring `ignore_index`.
 
     hidden: [T, H]; weight: [V, H] (the LM head); labels: [T] integer class per row (already
     shifted for next-token prediction). Returns a float32 scalar (float64 for float64 inputs);
     0 when every label is ignored (its gradient is then zero).
+
+    Vocabulary-parallel use (qwen_hybrid.parallel): `weight` holds only the rows
+    [vocab_start, vocab_start + weight.shape[0]) of the full LM head and `group` is the process
+    group across which the rows are split. Ranks then exchange two floats per token (their
+    log-sum-exp and target logit), never logits; each rank's hidden gradient is its partial sum,
+    which the caller's collective completes.
     """
     if hidden.dim() != 2:
         raise ValueError(f"hidden must be [T, H], got shape {tuple(hidden.shape)}")
@@ -36,34 +45,42 @@ def chunked_cross_entropy(
         raise TypeError(f"hidden and weight must share a dtype, got hidden {hidden.dtype}, weight {weight.dtype}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    return _ChunkedCrossEntropy.apply(hidden, weight, labels, chunk_size, ignore_index)
+    return _ChunkedCrossEntropy.apply(hidden, weight, labels, chunk_size, ignore_index, vocab_start, group)
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk_size, ignore_index):
+    def forward(ctx, hidden, weight, labels, chunk_size, ignore_index, vocab_start, group):
         accumulate = torch.float64 if hidden.dtype == torch.float64 else torch.float32
         valid = labels != ignore_index
         num_valid = valid.sum()
-        safe_labels = torch.where(valid, labels, 0)
-        logsumexp = torch.empty(hidden.shape[0], dtype=accumulate, device=hidden.device)
-        loss_sum = torch.zeros((), dtype=accumulate, device=hidden.device)
+        local_labels = labels - vocab_start
+        label_here = valid & (local_labels >= 0) & (local_labels < weight.shape[0])
+        local_labels = torch.where(label_here, local_labels, 0)
+        # per token: log-sum-exp over these rows, and the target logit (0 where the label is elsewhere)
+        stats = torch.empty(2, hidden.shape[0], dtype=accumulate, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk_size):
             end = min(start + chunk_size, hidden.shape[0])
             logits = (hidden[start:end] @ weight.t()).to(accumulate)
-            chunk_lse = torch.logsumexp(logits, dim=-1)
-            target = logits.gather(1, safe_labels[start:end, None])[:, 0]
-            loss_sum += ((chunk_lse - target) * valid[start:end]).sum()
-            logsumexp[start:end] = chunk_lse
+            stats[0, start:end] = torch.logsumexp(logits, dim=-1)
+            stats[1, start:end] = logits.gather(1, local_labels[start:end, None])[:, 0] * label_here[start:end]
             del logits
-        ctx.save_for_backward(hidden, weight, safe_labels, valid, logsumexp, num_valid)
+        if group is not None and dist.get_world_size(group) > 1:
+            gathered = [torch.empty_like(stats) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(gathered, stats, group=group)
+            all_stats = torch.stack(gathered)
+            logsumexp, target_logit = torch.logsumexp(all_stats[:, 0], dim=0), all_stats[:, 1].sum(0)
+        else:
+            logsumexp, target_logit = stats[0], stats[1]
+        loss_sum = ((logsumexp - target_logit) * valid).sum()
+        ctx.save_for_backward(hidden, weight, local_labels, label_here, valid, logsumexp, num_valid)
         ctx.chunk_size = chunk_size
         return loss_sum / num_valid.clamp(min=1)
 
     @staticmethod
     def backward(ctx, grad_loss):
-        hidden, weight, safe_labels, valid, logsumexp, num_valid = ctx.saved_tensors
-        # d loss / d logits = (softmax - onehot) * valid * grad / num_valid
+        hidden, weight, local_labels, label_here, valid, logsumexp, num_valid = ctx.saved_tensors
+        # d loss / d logits = (softmax over the whole vocabulary - onehot) * valid * grad / num_valid
         accumulate = logsumexp.dtype
         row_scale = valid.to(accumulate) * (grad_loss.to(accumulate) / num_valid.clamp(min=1))
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
@@ -76,7 +93,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             grad_logits = (h @ weight.t()).to(accumulate)
             grad_logits.sub_(logsumexp[start:end, None]).exp_()
             rows = torch.arange(end - start, device=hidden.device)
-            grad_logits[rows, safe_labels[start:end]] -= 1.0
+            grad_logits[rows, local_labels[start:end]] -= label_here[start:end].to(accumulate)
             grad_logits.mul_(row_scale[start:end, None])
             grad_logits = grad_logits.to(weight.dtype)
             if grad_hidden is not None:
@@ -89,4 +106,4 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             del grad_logits
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
