@@ -1,0 +1,390 @@
+"""Candidate fused chunk-parallel backward: persistent CTAs with TMA loads that overlap compute.
+
+Same math as backward_fused.py (gdn-kernels.md section 3), same inputs and outputs, one
+(chunk, value head) task at a time, but:
+
+- one CTA per SM walks the tasks worker, worker + W, worker + 2W, ... (W = number of CTAs), so an
+  SM never waits for a new CTA to start and load from scratch;
+- every tile arrives by TMA (no per-thread synchronous copies), in two groups with their own
+  mbarrier: group A (q, k, A~, dO) and group B (v, S0, dS1);
+- the products that read v, S0 and dS1 come first (U, W, Delta, dDelta, dv, dq's S0 term, dk's
+  S0/dS1 terms, sum(S0 . dS1)); right after them group B of the next task is issued into the
+  same buffers, so the largest loads (64 KB of states) fly during the second half of the task.
+  Group A is issued after the task's last read of q, k, A~, dO.
+- gamma and beta of the next task are read into registers when group B is issued and written to
+  shared at the start of the next task (plain loads: TMA cannot fetch a 4-byte column).
+
+Every refill is issued by one elected thread after a block-wide barrier that follows the last read
+of the buffers it overwrites (TileLang's gemm waits for its wgmma before returning), and each
+group's barrier is waited on before the first read. No buffer written by TMA shares shared memory
+with any other buffer (tests/test_hopper_backward_pipelined.py checks the generated offsets).
+"""
+
+import functools
+
+import tilelang
+import tilelang.language as T
+import torch
+
+from flashqla.hopper.chunk_plan import CHUNK_SIZE, device_sm_count
+from flashqla.hopper.cumsum import HOPPER_TARGET
+
+_C = CHUNK_SIZE
+_THREADS = 256
+HEAD_DIM = 128
+# Shared buffers filled by TMA: the only ones another task's loads write while this task runs.
+TMA_BUFFERS = ("q_s", "k_s", "inv_s", "do_s", "w_s", "s0_s", "ds_s")
+
+
+def pipelined_backward_program():
+    """Kernel for K = V = 128, bf16 operands, float32 gamma and beta; head counts, lengths, scale
+    and the number of CTAs are run-time values."""
+    K = V = HEAD_DIM
+    BV = V
+    num_v_heads = T.dynamic("num_v_heads")
+    num_qk_heads = T.dynamic("num_qk_heads")
+    num_tokens = T.dynamic("num_tokens")
+    num_chunks = T.dynamic("num_chunks")
+    op = "bfloat16"
+    f32 = "float32"
+
+    @T.prim_func
+    def pipelined_backward_kernel(
+        q: T.Tensor((num_tokens, num_qk_heads, K), op),
+        k: T.Tensor((num_tokens, num_qk_heads, K), op),
+        v: T.Tensor((num_tokens, num_v_heads, V), op),
+        gamma: T.Tensor((num_tokens, num_v_heads), f32),
+        beta: T.Tensor((num_tokens, num_v_heads), f32),
+        inverse: T.Tensor((num_tokens, num_v_heads, _C), op),
+        chunk_states: T.Tensor((num_chunks, num_v_heads, K, V), op),
+        chunk_state_grads: T.Tensor((num_chunks, num_v_heads, K, V), op),
+        do: T.Tensor((num_tokens, num_v_heads, V), op),
+        chunk_bounds: T.Tensor((num_chunks, 2), "int32"),
+        dq_head: T.Tensor((num_tokens, num_v_heads, K), op),
+        dk_head: T.Tensor((num_tokens, num_v_heads, K), op),
+        dv: T.Tensor((num_tokens, num_v_heads, V), op),
+        dg: T.Tensor((num_tokens, num_v_heads), f32),
+        dbeta: T.Tensor((num_tokens, num_v_heads), f32),
+        scale: T.float32,
+        num_workers: T.int32,
+    ):
+        with T.Kernel(num_workers, threads=_THREADS) as worker:
+            tx = T.get_thread_binding()
+            group = num_v_heads // num_qk_heads
+            num_tasks = num_chunks * num_v_heads
+            my_tasks = T.ceildiv(num_tasks - worker, num_workers)
+
+            q_s = T.alloc_shared((_C, K), op)
+            k_s = T.alloc_shared((_C, K), op)
+            do_s = T.alloc_shared((_C, BV), op)
+            inv_s = T.alloc_shared((_C, _C), op)
+            s0_s = T.alloc_shared((K, BV), op)
+            ds_s = T.alloc_shared((K, BV), op)
+            # Two C x C tiles reused by phase (one shared allocation each: TileLang does not reuse
+            # shared memory across a loop's iterations, and all buffers together exceed 227 KB).
+            # pm_s: scale (Gm . QK^T), then dA~, then T1 = A~^T dA~.
+            pm_s = T.alloc_shared((_C, _C), op)
+            # ab_s: (Gm . A~) diag(beta), then dPm, then diag(beta) dL.
+            ab_s = T.alloc_shared((_C, _C), op)
+            w_s = T.alloc_shared((_C, BV), op)  # v (by TMA), turned into W = V - D U in place
+            delta_s = T.alloc_shared((_C, BV), op)
+            d_delta_s = T.alloc_shared((_C, BV), op)
+            du_s = T.alloc_shared((_C, BV), op)
+            b_s = T.alloc_shared((_C,), f32)
+            gam_s = T.alloc_shared((_C,), f32)
+            dec_s = T.alloc_shared((_C,), f32)  # e^{gamma_t}
+            rdec_s = T.alloc_shared((_C,), f32)  # e^{gamma_C - gamma_t}
+            dgam_s = T.alloc_shared((_C,), f32)
+            te_s = T.alloc_shared((_C,), f32)
+            gamma_c_s = T.alloc_shared((_C,), f32)
+            dbeta_s = T.alloc_shared((_C,), f32)
+            state_dot_s = T.alloc_shared((K,), f32)
+            loads_a = T.alloc_barrier([1])  # q, k, A~, dO
+            loads_b = T.alloc_barrier([1])  # v, S0, dS1
+
+            qk = T.alloc_fragment((_C, _C), f32)
+            gm = T.alloc_fragment((_C, _C), f32)
+            ag = T.alloc_fragment((_C, _C), f32)
+            u = T.alloc_fragment((_C, BV), f32)
+            delta = T.alloc_fragment((_C, BV), f32)
+            d_delta = T.alloc_fragment((_C, BV), f32)
+            dw = T.alloc_fragment((_C, BV), f32)
+            cv = T.alloc_fragment((_C, BV), f32)
+            dab = T.alloc_fragment((_C, _C), f32)
+            dpr = T.alloc_fragment((_C, _C), f32)
+            cc = T.alloc_fragment((_C, _C), f32)
+            t1 = T.alloc_fragment((_C, _C), f32)
+            dl = T.alloc_fragment((_C, _C), f32)
+            kk = T.alloc_fragment((_C, _C), f32)
+            dq = T.alloc_fragment((_C, K), f32)
+            dk = T.alloc_fragment((_C, K), f32)
+            ck = T.alloc_fragment((_C, K), f32)
+            kv = T.alloc_fragment((K, BV), f32)
+            row = T.alloc_fragment((_C,), f32)  # row sums of C x C fragments
+            col_sum = T.alloc_fragment((_C,), f32)
+            row_v = T.alloc_fragment((_C,), f32)  # row sums of C x BV fragments
+            row_d = T.alloc_fragment((_C,), f32)  # row sums of C x K fragments
+            row_k = T.alloc_fragment((K,), f32)
+            dg_mat = T.alloc_fragment((_C, _C), f32)
+            dg_row = T.alloc_fragment((_C,), f32)
+            sd_mat = T.alloc_fragment((_C, K), f32)
+            sd_row = T.alloc_fragment((_C,), f32)
+            gamma_next = T.alloc_var(f32)  # this thread's gamma / beta entry of the next task
+            beta_next = T.alloc_var(f32)
+
+            # Task 0 of this worker: issue both load groups and read its gamma / beta.
+            first_chunk = worker // num_v_heads
+            first_head = worker % num_v_heads
+            first_start = chunk_bounds[first_chunk, 0]
+            first_length = chunk_bounds[first_chunk, 1]
+            T.tma_copy(q[first_start:first_start + _C, first_head // group, 0:K], q_s, barrier=loads_a[0])
+            T.tma_copy(k[first_start:first_start + _C, first_head // group, 0:K], k_s, barrier=loads_a[0])
+            T.tma_copy(inverse[first_start:first_start + _C, first_head, 0:_C], inv_s, barrier=loads_a[0])
+            T.tma_copy(do[first_start:first_start + _C, first_head, 0:V], do_s, barrier=loads_a[0])
+            if T.shuffle_elect(_THREADS):
+                T.barrier_arrive(loads_a[0])
+            T.tma_copy(v[first_start:first_start + _C, first_head, 0:V], w_s, barrier=loads_b[0])
+            T.tma_copy(chunk_states[first_chunk, first_head, 0:K, 0:V], s0_s, barrier=loads_b[0])
+            T.tma_copy(chunk_state_grads[first_chunk, first_head, 0:K, 0:V], ds_s, barrier=loads_b[0])
+            if T.shuffle_elect(_THREADS):
+                T.barrier_arrive(loads_b[0])
+            if tx < _C:
+                gamma_next = gamma[first_start + T.min(tx, first_length - 1), first_head]
+                beta_next = T.if_then_else(tx < first_length, beta[first_start + T.min(tx, first_length - 1),
+                                                                   first_head], 0.0)
+
+            for i in T.serial(my_tasks):
+                task = worker + i * num_workers
+                chunk_id = task // num_v_heads
+                head = task % num_v_heads
+                start = chunk_bounds[chunk_id, 0]
+                length = chunk_bounds[chunk_id, 1]
+                has_next = i + 1 < my_tasks
+                # Clamped so that the last task's look-ahead reads stay inside chunk_bounds.
+                next_chunk = T.min((task + num_workers) // num_v_heads, num_chunks - 1)
+                next_head = (task + num_workers) % num_v_heads
+                next_start = chunk_bounds[next_chunk, 0]
+                next_length = chunk_bounds[next_chunk, 1]
+
+                if tx < _C:
+                    gam_s[tx] = gamma_next
+                    b_s[tx] = beta_next
+                T.sync_threads()
+                for t in T.Parallel(_C):
+                    dec_s[t] = T.exp(gam_s[t])
+                    rdec_s[t] = T.exp(gam_s[_C - 1] - gam_s[t])
+                for t, s in T.Parallel(_C, _C):
+                    gm[t, s] = T.if_then_else((s <= t) & (t < length), T.exp(gam_s[t] - gam_s[s]), 0.0)
+
+                # Whole tiles: rows past the sequence end hold the next sequence's data (or TMA's
+                # zeros past the tensor); masked rows of Gm and beta and of dgamma keep them out.
+                T.mbarrier_wait_parity(loads_a[0], i % 2)
+                T.gemm(q_s, k_s, qk, transpose_B=True, clear_accum=True)
+                for t, s in T.Parallel(_C, _C):
+                    pm_s[t, s] = T.cast(scale * qk[t, s] * gm[t, s], op)
+                for t, s in T.Parallel(_C, _C):
+                    ag[t, s] = T.cast(inv_s[t, s], f32) * gm[t, s]
+                for t, s in T.Parallel(_C, _C):
+                    ab_s[t, s] = T.cast(ag[t, s] * b_s[s], op)
+
+                # Group B phase: every read of v, S0 and dS1.
+                T.mbarrier_wait_parity(loads_b[0], i % 2)
+                # dgamma_C term: sum(S0 . dS1), reduced now so S0 and dS1 can be released early.
+                for a, j in T.Parallel(K, V):
+                    kv[a, j] = T.cast(ds_s[a, j], f32) * T.cast(s0_s[a, j], f32)
+                T.reduce_sum(kv, row_k, dim=1, clear=True)
+                for a in T.Parallel(K):
+                    state_dot_s[a] = row_k[a]
+
+                # U = K S0, W = V - D U, Delta = Ab W
+                T.gemm(k_s, s0_s, u, clear_accum=True)
+                for t, d in T.Parallel(_C, BV):
+                    w_s[t, d] = T.cast(T.cast(w_s[t, d], f32) - dec_s[t] * u[t, d], op)
+                T.gemm(ab_s, w_s, delta, clear_accum=True)
+                for t, d in T.Parallel(_C, BV):
+                    delta_s[t, d] = T.cast(delta[t, d], op)
+
+                # dDelta = E K dS1 + Pm^T dO;  the E term also feeds dgamma (te).
+                T.gemm(k_s, ds_s, d_delta, clear_accum=True)
+                for t, d in T.Parallel(_C, BV):
+                    d_delta[t, d] = d_delta[t, d] * rdec_s[t]
+                for t, d in T.Parallel(_C, BV):
+                    cv[t, d] = delta[t, d] * d_delta[t, d]
+                T.reduce_sum(cv, row_v, dim=1, clear=True)
+                for t in T.Parallel(_C):
+                    te_s[t] = row_v[t]
+                T.gemm(pm_s, do_s, d_delta, transpose_A=True)
+                for t, d in T.Parallel(_C, BV):
+                    d_delta_s[t, d] = T.cast(d_delta[t, d], op)
+
+                # dW = Ab^T dDelta = dV;  dU = -D dW
+                T.gemm(ab_s, d_delta_s, dw, transpose_A=True, clear_accum=True)
+                for t, d in T.Parallel(_C, BV):
+                    if t < length:
+                        dv[start + t, head, d] = T.cast(dw[t, d], op)
+                for t, d in T.Parallel(_C, BV):
+                    dw[t, d] = -dec_s[t] * dw[t, d]
+                for t, d in T.Parallel(_C, BV):
+                    cv[t, d] = dw[t, d] * u[t, d]
+                T.reduce_sum(cv, row_v, dim=1, clear=True)
+                for t in T.Parallel(_C):
+                    dgam_s[t] = row_v[t] - te_s[t]
+                for t, d in T.Parallel(_C, BV):
+                    du_s[t, d] = T.cast(dw[t, d], op)
+
+                # dQ's S0 term: scale D dO S0^T (and its dgamma rows)
+                T.gemm(do_s, s0_s, dq, transpose_B=True, clear_accum=True)
+                for t, d in T.Parallel(_C, K):
+                    dq[t, d] = dq[t, d] * (scale * dec_s[t])
+                for t, d in T.Parallel(_C, K):
+                    ck[t, d] = dq[t, d] * T.cast(q_s[t, d], f32)
+                T.reduce_sum(ck, row_d, dim=1, clear=True)
+                for t in T.Parallel(_C):
+                    dgam_s[t] = dgam_s[t] + row_d[t]
+
+                # dK's state terms: E Delta dS1^T + dU S0^T
+                T.gemm(delta_s, ds_s, dk, transpose_B=True, clear_accum=True)
+                for t, d in T.Parallel(_C, K):
+                    dk[t, d] = dk[t, d] * rdec_s[t]
+                T.gemm(du_s, s0_s, dk, transpose_B=True)
+
+                # dAb = dDelta W^T: dbeta (column sums with Ag), dAg = dAb diag(beta)
+                T.gemm(d_delta_s, w_s, dab, transpose_B=True, clear_accum=True)
+
+                # W (v's buffer), S0 and dS1 are read for the last time above: load the next task's
+                # group B (and its gamma / beta) while the rest of this task runs.
+                T.sync_threads()
+                if has_next:
+                    T.tma_copy(v[next_start:next_start + _C, next_head, 0:V], w_s, barrier=loads_b[0])
+                    T.tma_copy(chunk_states[next_chunk, next_head, 0:K, 0:V], s0_s, barrier=loads_b[0])
+                    T.tma_copy(chunk_state_grads[next_chunk, next_head, 0:K, 0:V], ds_s, barrier=loads_b[0])
+                    if T.shuffle_elect(_THREADS):
+                        T.barrier_arrive(loads_b[0])
+                    if tx < _C:
+                        gamma_next = gamma[next_start + T.min(tx, next_length - 1), next_head]
+                        beta_next = T.if_then_else(tx < next_length,
+                                                   beta[next_start + T.min(tx, next_length - 1), next_head], 0.0)
+
+                for t, s in T.Parallel(_C, _C):
+                    cc[t, s] = dab[t, s] * ag[t, s]
+                T.reduce_sum(cc, col_sum, dim=0, clear=True)
+                for t in T.Parallel(_C):
+                    dbeta_s[t] = col_sum[t]
+                for t, s in T.Parallel(_C, _C):
+                    dab[t, s] = dab[t, s] * b_s[s]
+                for t, s in T.Parallel(_C, _C):
+                    pm_s[t, s] = T.cast(dab[t, s] * gm[t, s], op)  # dA~
+
+                # dP = scale dO Delta^T; dGm terms give dgamma (row sums minus column sums)
+                T.gemm(do_s, delta_s, dpr, transpose_B=True, clear_accum=True)
+                for t, s in T.Parallel(_C, _C):
+                    cc[t, s] = dab[t, s] * ag[t, s] + scale * dpr[t, s] * qk[t, s] * gm[t, s]
+                T.reduce_sum(cc, row, dim=1, clear=True)
+                for t in T.Parallel(_C):
+                    dgam_s[t] = dgam_s[t] + row[t]
+                T.reduce_sum(cc, col_sum, dim=0, clear=True)
+                for t in T.Parallel(_C):
+                    dgam_s[t] = dgam_s[t] - col_sum[t]
+                for t, s in T.Parallel(_C, _C):
+                    ab_s[t, s] = T.cast(scale * dpr[t, s] * gm[t, s], op)  # dPm
+
+                # dQ += dPm K;  dK += dPm^T Q
+                T.gemm(ab_s, k_s, dq)
+                for t, d in T.Parallel(_C, K):
+                    if t < length:
+                        dq_head[start + t, head, d] = T.cast(dq[t, d], op)
+                T.gemm(ab_s, q_s, dk, transpose_A=True)
+
+                # dL = -A~^T dA~ A~^T (strictly lower); L_ts = beta_t k_t.k_s
+                T.gemm(inv_s, pm_s, t1, transpose_A=True, clear_accum=True)
+                T.sync_threads()  # every warpgroup has read dA~ before T1 overwrites it
+                for t, s in T.Parallel(_C, _C):
+                    pm_s[t, s] = T.cast(t1[t, s], op)
+                T.gemm(pm_s, inv_s, dl, transpose_B=True, clear_accum=True)
+                for t, s in T.Parallel(_C, _C):
+                    dl[t, s] = T.if_then_else(s < t, -dl[t, s], 0.0)
+                T.gemm(k_s, k_s, kk, transpose_B=True, clear_accum=True)
+                for t, s in T.Parallel(_C, _C):
+                    cc[t, s] = dl[t, s] * kk[t, s]
+                T.reduce_sum(cc, row, dim=1, clear=True)
+                for t in T.Parallel(_C):
+                    dbeta_s[t] = dbeta_s[t] + row[t]
+                # dK += (X + X^T) K with X = diag(beta) dL: two products instead of a transpose
+                # through shared memory.
+                T.sync_threads()  # every warpgroup has read dPm before X overwrites it
+                for t, s in T.Parallel(_C, _C):
+                    ab_s[t, s] = T.cast(dl[t, s] * b_s[t], op)
+                T.gemm(ab_s, k_s, dk)
+                T.gemm(ab_s, k_s, dk, transpose_A=True)
+
+                # q, k, A~ and dO are read for the last time above: load the next task's group A.
+                T.sync_threads()
+                if has_next:
+                    T.tma_copy(q[next_start:next_start + _C, next_head // group, 0:K], q_s, barrier=loads_a[0])
+                    T.tma_copy(k[next_start:next_start + _C, next_head // group, 0:K], k_s, barrier=loads_a[0])
+                    T.tma_copy(inverse[next_start:next_start + _C, next_head, 0:_C], inv_s, barrier=loads_a[0])
+                    T.tma_copy(do[next_start:next_start + _C, next_head, 0:V], do_s, barrier=loads_a[0])
+                    if T.shuffle_elect(_THREADS):
+                        T.barrier_arrive(loads_a[0])
+
+                for t, d in T.Parallel(_C, K):
+                    if t < length:
+                        dk_head[start + t, head, d] = T.cast(dk[t, d], op)
+
+                # dg = reverse cumsum of dgamma within the chunk; every row also gets the gamma_C
+                # terms (sum of te and e^{gamma_C} sum(S0 . dS1)).
+                for t, j in T.Parallel(_C, _C):
+                    dg_mat[t, j] = T.if_then_else((j >= t) & (j < length), dgam_s[j], 0.0) + te_s[j]
+                T.reduce_sum(dg_mat, dg_row, dim=1, clear=True)
+                for t, a in T.Parallel(_C, K):
+                    sd_mat[t, a] = state_dot_s[a]
+                T.reduce_sum(sd_mat, sd_row, dim=1, clear=True)
+                for t in T.Parallel(_C):
+                    gamma_c_s[t] = sd_row[t] * dec_s[_C - 1]
+                for t in T.Parallel(_C):
+                    if t < length:
+                        dg[start + t, head] = dg_row[t] + gamma_c_s[t]
+                        dbeta[start + t, head] = dbeta_s[t]
+                # The next task overwrites the small shared arrays read just above.
+                T.sync_threads()
+
+    return pipelined_backward_kernel
+
+
+@functools.lru_cache(maxsize=None)
+def compile_pipelined_backward():
+    return tilelang.compile(pipelined_backward_program(), target=HOPPER_TARGET,
+                            pass_configs={tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True})
+
+
+def chunk_bounds(cu_seqlens: torch.Tensor, chunk_index: torch.Tensor) -> torch.Tensor:
+    """int32 [num_chunks, 2]: (first token, number of tokens) of every chunk, so that the kernel
+    finds a task's rows with one load instead of two dependent ones."""
+    sequence = chunk_index[:, 0].long()
+    start = cu_seqlens[sequence] + chunk_index[:, 1] * _C
+    length = torch.clamp(cu_seqlens[sequence + 1] - start, max=_C)
+    return torch.stack([start, length], dim=1).to(torch.int32).contiguous()
+
+
+def pipelined_backward(q, k, v, gamma, beta, inverse, chunk_states, chunk_state_grads, do, scale, cu_seqlens,
+                       chunk_index, num_workers: int | None = None):
+    """Same contract as backward_fused.fused_backward; num_workers (CTAs) defaults to the SM count."""
+    num_tokens, _, head_dim = q.shape
+    num_v_heads = v.shape[1]
+    f32 = dict(dtype=torch.float32, device=q.device)
+    bf16 = dict(dtype=torch.bfloat16, device=q.device)
+    dq_head = torch.empty(num_tokens, num_v_heads, head_dim, **bf16)
+    dk_head = torch.empty(num_tokens, num_v_heads, head_dim, **bf16)
+    dv = torch.empty(num_tokens, num_v_heads, head_dim, **bf16)
+    dg = torch.empty(num_tokens, num_v_heads, **f32)
+    dbeta = torch.empty(num_tokens, num_v_heads, **f32)
+    num_chunks = chunk_index.shape[0]
+    if num_chunks > 0:
+        if num_workers is None:
+            num_workers = device_sm_count(q.device)
+        num_workers = max(1, min(num_workers, num_chunks * num_v_heads))
+        bounds = chunk_bounds(cu_seqlens, chunk_index)
+        kernel = compile_pipelined_backward()
+        kernel(q, k, v, gamma, beta, inverse, chunk_states, chunk_state_grads, do, bounds, dq_head, dk_head, dv, dg,
+               dbeta, float(scale), num_workers)
+    return dq_head, dk_head, dv, dg, dbeta
