@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -63,12 +65,15 @@ def load_state_dict(
     expected_shapes: dict[str, tuple[int, ...]],
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
+    read: Callable[[str, Any], torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Read the checkpoint's tensors under our names, one tensor at a time (no full CPU copy).
 
     Raises ValueError naming the tensor for a shape mismatch, a tensor the model lacks, or a
     model parameter the checkpoint lacks. `lm_head.weight` absent from `expected_shapes` (tied
     embeddings) is skipped when present. Floating tensors are cast to `dtype` when given.
+    `read(name, stored)` turns a safetensors slice into the tensor to keep (default: all of it);
+    tensor-parallel loading passes one that reads only this rank's part.
     """
     state: dict[str, torch.Tensor] = {}
     unexpected: list[str] = []
@@ -81,12 +86,13 @@ def load_state_dict(
                 if name not in expected_shapes:
                     unexpected.append(hf_name)
                     continue
-                tensor = f.get_tensor(hf_name)
-                if tuple(tensor.shape) != expected_shapes[name]:
+                stored = f.get_slice(hf_name)
+                if tuple(stored.get_shape()) != expected_shapes[name]:
                     raise ValueError(
-                        f"checkpoint tensor {hf_name} in {file.name} has shape {tuple(tensor.shape)}, "
+                        f"checkpoint tensor {hf_name} in {file.name} has shape {tuple(stored.get_shape())}, "
                         f"but the config gives {name} the shape {expected_shapes[name]}"
                     )
+                tensor = stored[:] if read is None else read(name, stored)
                 if dtype is not None and tensor.is_floating_point():
                     tensor = tensor.to(dtype)
                 state[name] = tensor.to(device) if device is not None else tensor
