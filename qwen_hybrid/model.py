@@ -140,6 +140,12 @@ class QwenHybridForCausalLM(nn.Module):
 
     def save_pretrained(self, path: str | os.PathLike, max_shard_bytes: int = 5 * 1024**3) -> None:
         """Write config.json + safetensors that `transformers.Qwen3_5ForCausalLM.from_pretrained` loads."""
+        if getattr(self, "tensor_parallel_plan", None) is not None:
+            # this rank holds only its heads' slices: writing them would give a checkpoint nothing loads
+            raise ValueError(
+                f"save_pretrained: this model is tensor-parallel sharded (tp = {self.tensor_parallel_plan.tp_size}); "
+                "use qwen_hybrid.parallel.save_hf_checkpoint(model, groups, path), which gathers the shards"
+            )
         state = dict(self.state_dict())
         if self.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)

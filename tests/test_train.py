@@ -265,7 +265,9 @@ def _compose(*overrides: str):
         ("deepspeed=zero2_offload", None),
         ("deepspeed.offload_param=true", "deepspeed.offload_param=true"),
         ("logger.mode=online-ish", "logger.mode='online-ish'"),
-        ("parallel.tp=2", "parallel.tp=2: tensor parallelism is not available yet"),
+        ("parallel.tp=0", "parallel.tp=0: expected an integer >= 1"),
+        ("parallel.sequence_parallel=yes", "parallel.sequence_parallel='yes'"),
+        ("parallel.tp=2", None),
         ("benchmark.compare_backends=[tilelang]", "benchmark.compare_backends=['tilelang']"),
         ("benchmark.compare_backends=[tilelang,cuda]", "benchmark.compare_backends[1]='cuda'"),
     ],
@@ -278,6 +280,14 @@ def test_config_validation_names_the_key(override, key):
     with pytest.raises(ConfigError) as error:
         validate_config(cfg)
     assert str(error.value).startswith(key)
+
+
+def test_sequence_parallel_needs_tokens_divisible_by_tp():
+    cfg = _compose("parallel.tp=4", "parallel.sequence_parallel=true", "train.tokens_per_micro_batch=8190",
+                   "train.seq_len=4096")
+    with pytest.raises(ConfigError, match=r"^parallel.sequence_parallel=true: train.tokens_per_micro_batch=8190"):
+        validate_config(cfg)
+    validate_config(_compose("parallel.tp=4", "parallel.sequence_parallel=true"))  # 8192 tokens split
 
 
 def test_every_experiment_preset_composes_and_validates():

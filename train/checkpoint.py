@@ -16,6 +16,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from qwen_hybrid.parallel import ParallelGroups, save_hf_checkpoint
+
 CHECKPOINTS_DIR = "checkpoints"
 LATEST_FILE = "latest"
 HF_EXPORT_DIR = "hf_final"
@@ -25,7 +27,7 @@ TAG_PREFIX = "step_"
 @dataclass
 class TrainerState:
     step: int = 0  # optimizer steps completed
-    data_position: int = 0  # global micro-batches consumed (all ranks together)
+    data_position: int = 0  # global micro-batches consumed (all data-parallel ranks together)
     tokens_seen: int = 0
 
 
@@ -89,18 +91,18 @@ def load_checkpoint(engine, point: ResumePoint) -> TrainerState:
     return TrainerState(**client_state["trainer_state"])
 
 
-def export_hf(engine, run_dir: Path) -> Path | None:
-    """Collective. Rank 0 writes the trained weights as an HF Qwen3.5 checkpoint (ZeRO-3 gathers first)."""
+def export_hf(engine, run_dir: Path, parallel_groups: ParallelGroups) -> Path | None:
+    """Collective. Rank 0 writes the trained weights as one unsharded HF Qwen3.5 checkpoint (ZeRO-3
+    gathers the partitions first, tensor parallelism the head shards)."""
     model = engine.module
     output = run_dir / HF_EXPORT_DIR
     if engine.zero_optimization_stage() == 3:
         import deepspeed
 
         with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
-            if dist.get_rank() == 0:
-                model.save_pretrained(output)
-    elif dist.get_rank() == 0:
-        model.save_pretrained(output)
+            save_hf_checkpoint(model, parallel_groups, output)
+    else:
+        save_hf_checkpoint(model, parallel_groups, output)
     dist.barrier()
     return output if dist.get_rank() == 0 else None
 

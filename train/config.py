@@ -112,9 +112,11 @@ def validate_config(cfg: DictConfig) -> None:
     _choice("logger.mode", cfg.logger.mode, LOGGER_MODES)
 
     _integer("parallel.tp", cfg.parallel.tp, 1)
-    if cfg.parallel.tp > 1:
+    _boolean("parallel.sequence_parallel", cfg.parallel.sequence_parallel)
+    if cfg.parallel.sequence_parallel and train.tokens_per_micro_batch % cfg.parallel.tp != 0:
         raise ConfigError(
-            f"parallel.tp={cfg.parallel.tp}: tensor parallelism is not available yet in this trainer; use parallel.tp=1"
+            f"parallel.sequence_parallel=true: train.tokens_per_micro_batch={train.tokens_per_micro_batch} must divide "
+            f"by parallel.tp={cfg.parallel.tp} (each rank keeps an equal share of the tokens between blocks)"
         )
 
     bench = cfg.benchmark
@@ -129,6 +131,15 @@ def validate_config(cfg: DictConfig) -> None:
             )
         for i, backend in enumerate(bench.compare_backends):
             _choice(f"benchmark.compare_backends[{i}]", backend, GDN_BACKENDS)
+
+
+def check_parallel_layout(cfg: DictConfig, world_size: int) -> None:
+    """What needs the world size, known only once the processes are up."""
+    if world_size % cfg.parallel.tp != 0:
+        raise ConfigError(
+            f"parallel.tp={cfg.parallel.tp}: expected a divisor of the world size {world_size} "
+            f"(world = data-parallel x tensor-parallel ranks)"
+        )
 
 
 def deepspeed_config(cfg: DictConfig, on_cuda: bool) -> dict:

@@ -31,7 +31,15 @@ from omegaconf.errors import MissingMandatoryValue
 from tqdm import tqdm
 
 from qwen_hybrid import QwenHybridConfig, QwenHybridForCausalLM
+from qwen_hybrid.checkpoint_io import read_config
 from qwen_hybrid.layers import GatedDeltaRule
+from qwen_hybrid.parallel import (
+    ParallelGroups,
+    init_parallel_groups,
+    load_sharded_hf_checkpoint,
+    plan_tensor_parallel,
+    shard_model,
+)
 from train.checkpoint import (
     ResumePoint,
     TrainerState,
@@ -40,7 +48,7 @@ from train.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from train.config import ConfigError, deepspeed_config, validate_config
+from train.config import ConfigError, check_parallel_layout, deepspeed_config, validate_config
 from train.data import MicroBatchSampler, PackedDataset
 from train.metrics import BackendComparison, KernelTimer, MetricsLog, peak_memory_gib
 from train.prepare_data import build_embedded_dataset
@@ -112,29 +120,57 @@ def open_dataset(cfg: DictConfig, local_rank: int) -> PackedDataset:
     return PackedDataset(path)
 
 
-def build_model(cfg: DictConfig, device: torch.device, dtype: torch.dtype, data_vocab: int) -> QwenHybridForCausalLM:
+def build_model(
+    cfg: DictConfig, device: torch.device, dtype: torch.dtype, data_vocab: int, parallel_groups: ParallelGroups
+) -> QwenHybridForCausalLM:
+    """This rank's model: whole with parallel.tp=1, otherwise its tensor-parallel shard (heads,
+    MLP rows and vocabulary split over the tp group), ready for the optimizer and DeepSpeed."""
     overrides = {"gdn_backend": cfg.model.gdn_backend}
     if cfg.model.vocab_size is not None:
         overrides["vocab_size"] = cfg.model.vocab_size
-    if cfg.model.init_from is not None:
-        model = QwenHybridForCausalLM.from_pretrained(cfg.model.init_from, dtype=dtype, device=device, **overrides)
+    init_from = cfg.model.init_from
+    if init_from is not None:
+        config = QwenHybridConfig.from_hf(read_config(init_from), **overrides)
+    else:
+        config = QwenHybridConfig.named(cfg.model.name, **overrides)
+    tp, sequence_parallel = cfg.parallel.tp, cfg.parallel.sequence_parallel
+    try:
+        plan_tensor_parallel(config, tp, 0, sequence_parallel)  # fail before any weights are read or built
+    except ValueError as error:
+        raise ConfigError(f"parallel.tp={tp}: model {init_from or cfg.model.name} does not split over {tp} ranks: {error}")
+    if data_vocab > config.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size: the model has {config.vocab_size} token ids but the data uses {data_vocab} "
+            "(set model.vocab_size or use data tokenized for this model)"
+        )
+    if init_from is not None:
+        # each rank reads only its own slices of the checkpoint
+        model = load_sharded_hf_checkpoint(
+            init_from, parallel_groups, dtype=dtype, device=device, sequence_parallel=sequence_parallel, **overrides
+        )
     else:
         # built on the device in the training dtype: a float32 copy first would not fit for the large sizes
         previous_dtype = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
             with torch.device(device):
-                model = QwenHybridForCausalLM(QwenHybridConfig.named(cfg.model.name, **overrides))
+                model = QwenHybridForCausalLM(config)
         finally:
             torch.set_default_dtype(previous_dtype)
-    if data_vocab > model.config.vocab_size:
-        raise ConfigError(
-            f"model.vocab_size: the model has {model.config.vocab_size} token ids but the data uses {data_vocab} "
-            "(set model.vocab_size or use data tokenized for this model)"
-        )
+        model = shard_model(model, parallel_groups, sequence_parallel=sequence_parallel)
     model.set_activation_checkpointing(cfg.train.activation_checkpointing)
     model.loss_chunk_size = cfg.train.loss_chunk_size
     return model
+
+
+def count_parameters(model: QwenHybridForCausalLM) -> int:
+    """Parameters of the whole model, also when this rank holds only its tensor-parallel shard."""
+    plan = getattr(model, "tensor_parallel_plan", None)
+    total = 0
+    for name, parameter in model.named_parameters():
+        shard = plan.shards.get(name) if plan is not None else None
+        total += parameter.numel() if shard is None else parameter.numel() // shard.local_size * shard.full_size
+    return total
 
 
 def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -178,6 +214,8 @@ def train(cfg: DictConfig) -> int:
 
     validate_config(cfg)
     rank, world_size, local_rank = init_distributed()
+    check_parallel_layout(cfg, world_size)
+    parallel_groups = init_parallel_groups(cfg.parallel.tp)
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s", force=True)
     deepspeed.utils.logger.setLevel(logging.WARNING)
     if torch.cuda.is_available():
@@ -200,34 +238,38 @@ def train(cfg: DictConfig) -> int:
     torch.manual_seed(cfg.train.seed)
     dataset = open_dataset(cfg, local_rank)
     dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
-    model = build_model(cfg, device, dtype, dataset.vocab_size)
-    num_parameters = sum(p.numel() for p in model.parameters())
+    model = build_model(cfg, device, dtype, dataset.vocab_size, parallel_groups)
+    num_parameters = count_parameters(model)
 
     ds_config = deepspeed_config(cfg, on_cuda=device.type == "cuda")
     train_cfg = cfg.train
-    groups = parameter_groups(model, train_cfg.weight_decay)
+    optimizer_groups = parameter_groups(model, train_cfg.weight_decay)
     client_optimizer = None
-    if not cfg.deepspeed.offload_optimizer:  # offloaded: DeepSpeed builds its CPU Adam over `groups`
+    if not cfg.deepspeed.offload_optimizer:  # offloaded: DeepSpeed builds its CPU Adam over these groups
         client_optimizer = torch.optim.AdamW(
-            groups, lr=train_cfg.lr, betas=tuple(train_cfg.betas), fused=device.type == "cuda"
+            optimizer_groups, lr=train_cfg.lr, betas=tuple(train_cfg.betas), fused=device.type == "cuda"
         )
     engine, _, _, _ = deepspeed.initialize(
         model=model,
-        model_parameters=groups if client_optimizer is None else None,
+        model_parameters=optimizer_groups if client_optimizer is None else None,
         optimizer=client_optimizer,
         lr_scheduler=lambda optimizer: warmup_cosine_scheduler(
             optimizer, train_cfg.warmup_steps, train_cfg.steps, train_cfg.min_lr_ratio
         ),
         config=ds_config,
         dist_init_required=False,
+        # ZeRO partitions and averages over the data-parallel group; the gradient norm counts each shard once
+        mpu=parallel_groups if cfg.parallel.tp > 1 else None,
     )
 
     state = TrainerState()
     if resume_point is not None:
         state = load_checkpoint(engine, resume_point)
         log.info(f"resumed from {resume_point.checkpoints_dir / resume_point.tag} at step {state.step}")
+    # the ranks of one tensor-parallel group read the same micro-batches
+    dp_rank, dp_size = parallel_groups.dp_rank, parallel_groups.dp_size
     sampler = MicroBatchSampler(
-        dataset, train_cfg.tokens_per_micro_batch, train_cfg.seq_len, train_cfg.seed, rank, world_size,
+        dataset, train_cfg.tokens_per_micro_batch, train_cfg.seq_len, train_cfg.seed, dp_rank, dp_size,
         document_boundaries=cfg.data.document_boundaries,
     )
     comparison = None
@@ -244,11 +286,13 @@ def train(cfg: DictConfig) -> int:
         )
         log.info(
             f"run directory {run_dir}\nmodel {cfg.model.init_from or cfg.model.name} ({num_parameters / 1e6:.1f}M parameters), "
-            f"{world_size} rank(s) on {device.type}, ZeRO-{cfg.deepspeed.zero_stage}, {cfg.train.precision}, "
+            f"{world_size} rank(s) on {device.type} (tensor parallel {cfg.parallel.tp}"
+            f"{', sequence parallel' if cfg.parallel.sequence_parallel and cfg.parallel.tp > 1 else ''} x data parallel "
+            f"{dp_size}), ZeRO-{cfg.deepspeed.zero_stage}, {cfg.train.precision}, "
             f"data {dataset.path} ({dataset.num_tokens} tokens)"
         )
     stop = StopRequest()
-    tokens_per_step = train_cfg.tokens_per_micro_batch * train_cfg.gradient_accumulation * world_size
+    tokens_per_step = train_cfg.tokens_per_micro_batch * train_cfg.gradient_accumulation * dp_size
     last_step = train_cfg.steps if train_cfg.stop_at_step is None else min(train_cfg.steps, train_cfg.stop_at_step)
     saved_step = state.step if resume_point is not None else None
     start_step = state.step
@@ -272,9 +316,10 @@ def train(cfg: DictConfig) -> int:
             step_time = time.perf_counter() - step_start
 
             state.step = step
-            state.data_position += train_cfg.gradient_accumulation * world_size
+            state.data_position += train_cfg.gradient_accumulation * dp_size
             state.tokens_seen += tokens_per_step
-            # one collective per step: the mean loss over ranks and whether any rank was signalled
+            # one collective per step: the mean loss over ranks (the ranks of a tp group agree) and
+            # whether any rank was signalled
             reduced = torch.stack([loss_sum / train_cfg.gradient_accumulation, torch.tensor(
                 float(stop.signal_number is not None), device=device)])
             dist.all_reduce(reduced)
@@ -321,7 +366,7 @@ def train(cfg: DictConfig) -> int:
             if comparison is not None and metrics is not None:
                 metrics.log_comparison(comparison, state.step)
             if train_cfg.export_hf:
-                export_hf(engine, run_dir)
+                export_hf(engine, run_dir, parallel_groups)
     except BaseException:
         # With several ranks a failure may leave the others blocked in a collective, where saving
         # would hang; the last periodic checkpoint stays valid either way.

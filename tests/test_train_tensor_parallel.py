@@ -1,0 +1,132 @@
+"""parallel.tp in the training entry point on CPU (gloo): tp=2 on 2 ranks (so dp=1) follows the
+1-rank tp=1 run on the same data step for step, through a stop and resume, with and without
+sequence parallelism (ZeRO-2 and ZeRO-3), and exports one unsharded HF checkpoint; a parallel.tp
+that does not fit fails at start naming the key."""
+import subprocess
+import sys
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from test_train import PRETRAIN, REPO, _env, _metrics, _overrides, _run, _torchrun
+from train.config import ConfigError
+
+STEPS = 6
+# float32 on CPU: the sharded matmuls and the all-reduces only reorder sums
+LOSS_RTOL = 1e-5
+GRAD_NORM_RTOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("train_tp")
+
+
+def _common(workdir, run_dir, *extra):
+    return _overrides(workdir, run_dir, f"train.steps={STEPS}", "logger.mode=disabled", *extra)
+
+
+@pytest.fixture(scope="module")
+def single_rank_run(workdir):
+    run_dir = workdir / "tp1"
+    result = _run([sys.executable, PRETRAIN] + _common(workdir, run_dir), workdir)
+    assert result.returncode == 0
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def tp2_resumed_run(workdir):
+    """tp=2 stopped after step 3 (checkpoint at exit), then resumed to the end in new processes."""
+    run_dir = workdir / "tp2_resumed"
+    first_half = _run(
+        _torchrun(2) + [PRETRAIN] + _common(workdir, run_dir, "parallel.tp=2", "train.stop_at_step=3"), workdir
+    )
+    assert first_half.returncode == 0
+    assert [r["step"] for r in _metrics(run_dir)] == [1, 2, 3]
+    checkpoint = run_dir / "checkpoints" / "step_00000003"
+    # DeepSpeed keeps one model file per tensor-parallel rank when given the groups as its mpu
+    assert {"mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"} <= {p.name for p in checkpoint.iterdir()}
+    assert not (run_dir / "hf_final").exists()
+    second_half = _run(
+        _torchrun(2) + [PRETRAIN] + _common(workdir, run_dir, "parallel.tp=2", f"train.resume={run_dir}"), workdir
+    )
+    assert second_half.returncode == 0
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def tp2_sequence_parallel_zero3_run(workdir):
+    run_dir = workdir / "tp2_sp_zero3"
+    result = _run(
+        _torchrun(2) + [PRETRAIN] + _common(
+            workdir, run_dir, "parallel.tp=2", "parallel.sequence_parallel=true", "deepspeed=zero3"
+        ),
+        workdir,
+    )
+    assert result.returncode == 0
+    return run_dir
+
+
+def _assert_same_trajectory(reference_run, run):
+    reference, records = _metrics(reference_run), _metrics(run)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    for expected, seen in zip(reference, records):
+        step = expected["step"]
+        assert seen["loss"] == pytest.approx(expected["loss"], rel=LOSS_RTOL), step
+        assert seen["grad_norm"] == pytest.approx(expected["grad_norm"], rel=GRAD_NORM_RTOL), step
+        assert seen["lr"] == pytest.approx(expected["lr"], rel=1e-12), step
+        # dp = 1: both runs read exactly one micro-batch per step
+        assert seen["tokens_seen"] == expected["tokens_seen"] == 512 * step
+    assert records[-1]["loss"] < records[0]["loss"] - 0.5  # it trained
+
+
+def _assert_same_export(reference_run, run):
+    from qwen_hybrid import QwenHybridForCausalLM
+
+    reference = QwenHybridForCausalLM.from_pretrained(reference_run / "hf_final", gdn_backend="torch")
+    exported = QwenHybridForCausalLM.from_pretrained(run / "hf_final", gdn_backend="torch")
+    reference_state, exported_state = reference.state_dict(), exported.state_dict()
+    assert reference_state.keys() == exported_state.keys()
+    for name, tensor in reference_state.items():
+        assert exported_state[name].shape == tensor.shape, name
+        # Adam magnifies last-bit gradient differences on near-zero gradients; a misplaced shard is off by ~0.02
+        torch.testing.assert_close(exported_state[name], tensor, rtol=0, atol=2e-3, msg=name)
+    ids = torch.randint(0, 257, (1, 256), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert exported(ids, labels=ids).loss.item() == pytest.approx(reference(ids, labels=ids).loss.item(), rel=1e-4)
+
+
+def test_tp2_stopped_and_resumed_follows_the_single_rank_trajectory(single_rank_run, tp2_resumed_run):
+    _assert_same_trajectory(single_rank_run, tp2_resumed_run)
+
+
+def test_tp2_exports_the_unsharded_checkpoint(single_rank_run, tp2_resumed_run):
+    _assert_same_export(single_rank_run, tp2_resumed_run)
+
+
+def test_tp2_sequence_parallel_zero3_follows_the_single_rank_trajectory(single_rank_run, tp2_sequence_parallel_zero3_run):
+    _assert_same_trajectory(single_rank_run, tp2_sequence_parallel_zero3_run)
+    _assert_same_export(single_rank_run, tp2_sequence_parallel_zero3_run)
+
+
+def test_tp_that_does_not_divide_the_world_fails_at_start(workdir):
+    result = subprocess.run(
+        [sys.executable, PRETRAIN] + _common(workdir, workdir / "bad_tp", "parallel.tp=2"),
+        cwd=REPO, env=_env(workdir), capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2
+    assert "config error: parallel.tp=2: expected a divisor of the world size 1" in result.stderr
+
+
+def test_tp_that_does_not_split_the_model_names_the_key():
+    from train.pretrain import build_model
+
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        cfg = compose("pretrain", overrides=["experiment=cpu_smoke", "parallel.tp=3"])
+    # checked before any process group is needed: the tiny model has 2 GDN key heads
+    with pytest.raises(ConfigError) as error:
+        build_model(cfg, torch.device("cpu"), torch.float32, data_vocab=257, parallel_groups=None)
+    message = str(error.value)
+    assert message.startswith("parallel.tp=3: model tiny does not split over 3 ranks")
+    assert "linear_num_key_heads = 2" in message
