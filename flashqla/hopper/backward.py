@@ -12,6 +12,7 @@ result deterministic (no atomics).
 import torch
 
 from flashqla.hopper.backward_fused import HEAD_DIM, compile_fused_backward, fused_backward
+from flashqla.hopper.backward_pipelined import compile_pipelined_backward, pipelined_backward
 from flashqla.hopper.backward_state_grads import compile_state_grads, state_gradients
 from flashqla.hopper.chunk_plan import chunk_indices, chunk_offsets, device_sm_count, flat_cu_seqlens, value_block_size
 from flashqla.hopper.chunk_states import chunk_states
@@ -24,10 +25,11 @@ MAX_VALUE_BLOCK = 64
 COMPILE_CHECKS = [
     ("backward_state_grads", lambda: compile_state_grads(32)),
     ("fused_backward", compile_fused_backward),
+    ("pipelined_backward", compile_pipelined_backward),
 ]
 
 
-def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht):
+def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, pipelined: bool = False):
     """Gradients of (o, final_state) for inputs as given to `flashqla.hopper.forward`.
 
     q, k: [B, T, Hqk, 128]; v, do: [B, T, Hv, 128]; g, beta: [B, T, Hv]; initial_state, dht:
@@ -35,6 +37,9 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht):
     Returns (dq, dk, dv, dg, dbeta, dh0): dq, dk, dv in q's dtype and shape (dq, dk summed over each
     value-head group); dg, dbeta float32 [B, T, Hv]; dh0 float32 [N, Hv, 128, 128], also when
     there is no initial state (the gradient a zero initial state would get).
+    pipelined: run the chunk-parallel gradients with the candidate kernel of backward_pipelined.py
+    (persistent CTAs, TMA loads overlapping compute) instead of backward_fused.py; not yet checked
+    on a GPU, so off by default.
     """
     head_k, head_v = q.shape[-1], v.shape[-1]
     if head_k != HEAD_DIM or head_v != HEAD_DIM:
@@ -78,8 +83,9 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht):
     gated_inverse, scores = gated_products(q_flat, k_flat, gamma, beta_flat, scale, cu_seqlens, chunk_index)
     state_grads, dh0 = state_gradients(q_flat, k_flat, gamma, gated_inverse, scores, do_flat, dht, scale, cu_seqlens,
                                        offsets, chunk_index.shape[0], value_block)
-    dq_head, dk_head, dv, dg, dbeta = fused_backward(q_flat, k_flat, v_flat, gamma, beta_flat, inverse, states,
-                                                     state_grads, do_flat, scale, cu_seqlens, chunk_index)
+    chunk_gradients = pipelined_backward if pipelined else fused_backward
+    dq_head, dk_head, dv, dg, dbeta = chunk_gradients(q_flat, k_flat, v_flat, gamma, beta_flat, inverse, states,
+                                                      state_grads, do_flat, scale, cu_seqlens, chunk_index)
 
     # Deterministic reduction (float32 accumulation) over the value heads sharing a q/k head.
     dq, dk = dq_head, dk_head
