@@ -2,8 +2,12 @@
 import torch
 import torch.nn.functional as F
 
+import pytest
+
+from flashqla.hopper import chunk_plan
 from flashqla.hopper.chunk_plan import (
-    chunk_indices, chunk_offsets, plan_forward, plan_pieces, value_block_size, walk_starts,
+    FORWARD_PLAN_CACHE_SIZE, build_forward_plan, chunk_indices, chunk_offsets, plan_forward, plan_pieces,
+    value_block_size, walk_starts,
 )
 
 
@@ -75,3 +79,95 @@ def test_plan_forward_uses_host_bounds_when_given():
     from_host = plan_forward(cu, num_heads=8, sm_count=132, max_value_block=64, host_bounds=[0, 1000, 5000])
     assert from_host.pieces.tolist() == from_device.pieces.tolist()
     assert from_host.chunk_index.tolist() == from_device.chunk_index.tolist()
+
+
+def assert_same_plan(a, b):
+    for name in ("chunk_index", "chunk_offsets", "pieces"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert x.dtype == y.dtype and x.tolist() == y.tolist(), name
+    assert (a.value_block, a.max_walk_back) == (b.value_block, b.max_walk_back)
+    assert (a.walk_index is None) == (b.walk_index is None)
+    if a.walk_index is not None:
+        for name in ("piece_start", "seq_start", "last_token", "before_sequence"):
+            assert getattr(a.walk_index, name).tolist() == getattr(b.walk_index, name).tolist(), name
+
+
+PLAN_BOUNDS = [
+    [0, 32768],                                   # one long sequence: split into pieces
+    [0, 28672, 32768],
+    [0, 1000, 1000, 1064, 1065, 33832],           # ragged, an empty and a one-token sequence
+    [0, 8192, 16384, 24576, 32768],
+    [0, 100],                                     # shorter than a piece: V split instead
+]
+
+
+@pytest.mark.parametrize("bounds", PLAN_BOUNDS)
+@pytest.mark.parametrize("num_heads", [8, 64])
+def test_cached_plan_equals_a_fresh_build(bounds, num_heads):
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    cached = plan_forward(cu, num_heads, 128, 132, 64)
+    fresh = build_forward_plan(bounds, cu.device, num_heads, 128, 132, 64)
+    assert_same_plan(cached, fresh)
+    assert plan_forward(cu, num_heads, 128, 132, 64) is cached
+    assert plan_forward(cu, num_heads, 128, 132, 64, host_bounds=bounds) is cached
+
+
+def test_plan_cache_is_keyed_by_every_argument():
+    cu = torch.tensor([0, 28672, 32768], dtype=torch.int32)
+    base = plan_forward(cu, 8, 128, 132, 64)
+    assert plan_forward(torch.tensor([0, 28672, 32768], dtype=torch.int64), 8, 128, 132, 64) is base
+    variants = {
+        "bounds": plan_forward(torch.tensor([0, 4096, 32768], dtype=torch.int32), 8, 128, 132, 64),
+        "heads": plan_forward(cu, 16, 128, 132, 64),
+        "sm_count": plan_forward(cu, 8, 128, 66, 64),
+        "max_value_block": plan_forward(cu, 8, 128, 132, 32),
+        "min_piece_chunks": plan_forward(cu, 8, 128, 132, 64, min_piece_chunks=4),
+        "host_bounds": plan_forward(cu, 8, 128, 132, 64, host_bounds=[0, 4096, 32768]),
+    }
+    for name, plan in variants.items():
+        assert plan is not base, name
+    # and each variant holds its own arguments' plan, not a neighbour's
+    assert_same_plan(variants["heads"], build_forward_plan([0, 28672, 32768], cu.device, 16, 128, 132, 64))
+    assert_same_plan(variants["sm_count"], build_forward_plan([0, 28672, 32768], cu.device, 8, 128, 66, 64))
+    assert_same_plan(variants["host_bounds"], build_forward_plan([0, 4096, 32768], cu.device, 8, 128, 132, 64))
+    assert variants["sm_count"].pieces.shape[0] < base.pieces.shape[0]
+    assert variants["max_value_block"].value_block == 32 and base.value_block == 64
+
+
+def test_plan_cache_is_keyed_by_device():
+    cu = torch.tensor([0, 28672, 32768], dtype=torch.int32)
+    on_cpu = plan_forward(cu, 8, 128, 132, 64)
+    on_meta = plan_forward(cu.to("meta"), 8, 128, 132, 64, host_bounds=[0, 28672, 32768])
+    assert on_meta is not on_cpu and on_meta.pieces.device.type == "meta"
+
+
+def test_plan_cache_stays_small():
+    chunk_plan._cached_forward_plan.cache_clear()
+    first = plan_forward(torch.tensor([0, 64], dtype=torch.int32), 8)
+    for n in range(2, FORWARD_PLAN_CACHE_SIZE + 2):
+        plan_forward(torch.tensor([0, 64 * n], dtype=torch.int32), 8)
+    assert chunk_plan._cached_forward_plan.cache_info().currsize == FORWARD_PLAN_CACHE_SIZE
+    assert plan_forward(torch.tensor([0, 64], dtype=torch.int32), 8) is not first   # evicted, rebuilt
+
+
+@pytest.mark.parametrize("bounds", PLAN_BOUNDS)
+@pytest.mark.parametrize("threshold", [-10.0, -2.0, float("-inf")])
+def test_walk_starts_from_the_plan_index_equal_the_direct_computation(bounds, threshold):
+    torch.manual_seed(1)
+    num_heads = 4
+    total = bounds[-1]
+    g = F.logsigmoid(torch.randn(total, num_heads)) / 16
+    g[:, 0] = 0.0   # a head that never decays
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    plan = build_forward_plan(bounds, cu.device, num_heads, 128, 132, 64)
+    chunk_local = torch.zeros_like(g)
+    for start, end in zip(bounds, bounds[1:]):
+        for c in range(start, end, 64):
+            chunk_local[c:min(c + 64, end)] = g[c:min(c + 64, end)].cumsum(0)
+    direct = walk_starts(plan.pieces, cu, chunk_local, threshold)
+    planned = walk_starts(plan.pieces, cu, chunk_local, threshold, plan.max_walk_back, walk_index=plan.walk_index)
+    assert planned.dtype == direct.dtype == torch.int32
+    assert planned.tolist() == direct.tolist()
+    if plan.max_walk_back > 0 and threshold == -2.0:
+        starts = plan.pieces[:, 1].tolist()
+        assert any(w < s for row, s in zip(planned.tolist(), starts) for w in row)   # some pieces walk back

@@ -62,7 +62,8 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
     gamma = chunk_local_cumsum(g.reshape(1, num_tokens, num_v_heads), cu_seqlens, chunk_index=plan.chunk_index)
     gamma = gamma.view(num_tokens, num_v_heads)
     gated_inverse, scores = gated_products(q_flat, k_flat, gamma, beta_flat, scale, cu_seqlens, plan.chunk_index)
-    walk = walk_starts(plan.pieces, cu_seqlens, gamma, log_decay_threshold, plan.max_walk_back)
+    walk = walk_starts(plan.pieces, cu_seqlens, gamma, log_decay_threshold, plan.max_walk_back,
+                       walk_index=plan.walk_index)
     h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
     o, final_state, _ = fused_forward(
         q_flat, k_flat, v_flat, gamma, gated_inverse, scores, scale, h0,

@@ -1,5 +1,6 @@
 """Planning helpers for the Hopper kernels: which chunk each CTA walks, V-split choice, pieces."""
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -53,9 +54,15 @@ def value_block_size(num_sequences: int, num_heads: int, value_dim: int = 128,
 
 
 def device_sm_count(device) -> int:
-    if torch.device(device).type != "cuda":
+    device = torch.device(device)
+    if device.type != "cuda":
         return DEFAULT_SM_COUNT
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return _cuda_sm_count(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.cache
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _piece_rows(bounds: list[int], chunks: list[int], ctas_per_piece: int, sm_count: int,
@@ -94,22 +101,58 @@ def plan_pieces(cu_seqlens: torch.Tensor, num_heads: int, value_blocks: int, sm_
 
 
 @dataclass
+class WalkIndex:
+    """The plan-only tensors of walk_starts, built once with the plan (a split forward reads them
+    on every call; building them per call cost a dozen small launches)."""
+
+    piece_start: torch.Tensor       # int64 [P]: first token of each piece
+    seq_start: torch.Tensor         # int64 [P]: first token of the piece's sequence
+    last_token: torch.Tensor        # int64 [P, max_back]: last token of the b-th chunk before the piece (>= 0)
+    before_sequence: torch.Tensor   # bool [P, max_back, 1]: that chunk lies before the sequence start
+
+
+@dataclass
 class ForwardPlan:
-    """Everything the forward kernels index by, built on the host from one read of cu_seqlens."""
+    """Everything the forward kernels index by, built on the host from one read of cu_seqlens.
+
+    Cached plans are shared between calls: nothing may write into these tensors."""
 
     chunk_index: torch.Tensor      # int32 [num_chunks, 2]: (sequence, chunk within it)
     chunk_offsets: torch.Tensor    # int32 [N + 1]: first global chunk of each sequence
     pieces: torch.Tensor           # int32 [P, 4]: see plan_pieces
     value_block: int               # V columns per CTA
     max_walk_back: int             # most chunks a piece can walk back before its start (0: none split)
+    walk_index: WalkIndex | None = None   # None when no piece walks back (max_walk_back == 0)
+
+
+# Every GDN layer of a training step sees the same cu_seqlens: plan once, reuse for the others.
+FORWARD_PLAN_CACHE_SIZE = 16
 
 
 def plan_forward(cu_seqlens: torch.Tensor, num_heads: int, head_dim: int = 128, sm_count: int = DEFAULT_SM_COUNT,
                  max_value_block: int = 128, min_piece_chunks: int = 16, chunk_size: int = CHUNK_SIZE,
                  host_bounds: list[int] | None = None) -> ForwardPlan:
-    """Chunks, pieces and V split for one forward: one host->device copy, and one device->host
-    read of cu_seqlens unless the caller already holds it (host_bounds, the same values as a list)."""
-    bounds = np.asarray(cu_seqlens.tolist() if host_bounds is None else host_bounds, dtype=np.int64)
+    """Chunks, pieces and V split for one forward, from a small LRU cache keyed by the bounds and
+    every other argument (and cu_seqlens' device). One device->host read of cu_seqlens unless the
+    caller already holds it (host_bounds, the same values as a list); a cache miss adds one
+    host->device copy (two when a sequence is split)."""
+    bounds = tuple(cu_seqlens.tolist() if host_bounds is None else host_bounds)
+    return _cached_forward_plan(bounds, cu_seqlens.device, num_heads, head_dim, sm_count, max_value_block,
+                                min_piece_chunks, chunk_size)
+
+
+@functools.lru_cache(maxsize=FORWARD_PLAN_CACHE_SIZE)
+def _cached_forward_plan(bounds: tuple[int, ...], device: torch.device, num_heads: int, head_dim: int,
+                         sm_count: int, max_value_block: int, min_piece_chunks: int, chunk_size: int) -> ForwardPlan:
+    return build_forward_plan(list(bounds), device, num_heads, head_dim, sm_count, max_value_block,
+                              min_piece_chunks, chunk_size)
+
+
+def build_forward_plan(bounds: list[int], device: torch.device, num_heads: int, head_dim: int = 128,
+                       sm_count: int = DEFAULT_SM_COUNT, max_value_block: int = 128, min_piece_chunks: int = 16,
+                       chunk_size: int = CHUNK_SIZE) -> ForwardPlan:
+    """plan_forward without the cache: bounds is cu_seqlens as a list, device where the plan goes."""
+    bounds = np.asarray(bounds, dtype=np.int64)
     lengths = bounds[1:] - bounds[:-1]
     chunks = (lengths + chunk_size - 1) // chunk_size
     offsets = np.zeros(len(chunks) + 1, dtype=np.int64)
@@ -130,7 +173,7 @@ def plan_forward(cu_seqlens: torch.Tensor, num_heads: int, head_dim: int = 128, 
     max_walk_back = int(((pieces[:, 1] - bounds[pieces[:, 0]]) // chunk_size).max()) if len(rows) else 0
 
     packed = np.concatenate([np.stack([sequence, within], 1).reshape(-1), offsets, pieces.reshape(-1)])
-    packed = torch.from_numpy(packed.astype(np.int32)).to(cu_seqlens.device)
+    packed = torch.from_numpy(packed.astype(np.int32)).to(device)
     n_index, n_offsets = 2 * len(sequence), len(offsets)
     return ForwardPlan(
         chunk_index=packed[:n_index].view(-1, 2),
@@ -138,12 +181,30 @@ def plan_forward(cu_seqlens: torch.Tensor, num_heads: int, head_dim: int = 128, 
         pieces=packed[n_index + n_offsets:].view(-1, 4),
         value_block=value_block,
         max_walk_back=max_walk_back,
+        walk_index=_walk_index(pieces, bounds, max_walk_back, chunk_size, device) if max_walk_back > 0 else None,
+    )
+
+
+def _walk_index(pieces: np.ndarray, bounds: np.ndarray, max_walk_back: int, chunk_size: int, device) -> WalkIndex:
+    num_pieces = pieces.shape[0]
+    piece_start = pieces[:, 1]
+    seq_start = bounds[pieces[:, 0]]
+    last_token = piece_start[:, None] - np.arange(max_walk_back)[None, :] * chunk_size - 1
+    before_sequence = (last_token < seq_start[:, None]).astype(np.int64)
+    packed = np.concatenate([piece_start, seq_start, np.maximum(last_token, 0).reshape(-1), before_sequence.reshape(-1)])
+    packed = torch.from_numpy(packed).to(device)
+    n_grid = num_pieces * max_walk_back
+    return WalkIndex(
+        piece_start=packed[:num_pieces],
+        seq_start=packed[num_pieces:2 * num_pieces],
+        last_token=packed[2 * num_pieces:2 * num_pieces + n_grid].view(num_pieces, max_walk_back),
+        before_sequence=packed[2 * num_pieces + n_grid:].view(num_pieces, max_walk_back, 1).bool(),
     )
 
 
 def walk_starts(pieces: torch.Tensor, cu_seqlens: torch.Tensor, gamma: torch.Tensor,
                 log_decay_threshold: float = -10.0, max_walk_back: int | None = None,
-                chunk_size: int = CHUNK_SIZE) -> torch.Tensor:
+                chunk_size: int = CHUNK_SIZE, walk_index: WalkIndex | None = None) -> torch.Tensor:
     """int32 [P, H]: the token where each (piece, head) CTA starts walking (on the GPU, no sync).
 
     A piece that does not start its sequence needs the state entering it. Walking from zero over
@@ -151,25 +212,35 @@ def walk_starts(pieces: torch.Tensor, cu_seqlens: torch.Tensor, gamma: torch.Ten
     chunks): take the fewest chunks whose summed decay is <= log_decay_threshold, else the whole
     prefix from the sequence start (exact, with h0). -inf always walks from the sequence start.
 
-    gamma: [T, H] fp32 chunk-local cumsum of g. max_walk_back (from ForwardPlan) saves a device sync.
+    gamma: [T, H] fp32 chunk-local cumsum of g. max_walk_back (from ForwardPlan) saves a device sync;
+    walk_index (ForwardPlan.walk_index, built for these pieces) saves the index arithmetic.
     """
     num_pieces = pieces.shape[0]
     num_heads = gamma.shape[1]
-    sequence = pieces[:, 0].long()
-    piece_start = pieces[:, 1].long()
-    seq_start = cu_seqlens.long()[sequence]
-    if max_walk_back is None:
-        max_walk_back = int(((piece_start - seq_start) // chunk_size).max().item()) if num_pieces else 0
-    max_back = max_walk_back
+    if walk_index is not None:
+        piece_start, seq_start = walk_index.piece_start, walk_index.seq_start
+        max_walk_back = walk_index.last_token.shape[1]
+    else:
+        sequence = pieces[:, 0].long()
+        piece_start = pieces[:, 1].long()
+        seq_start = cu_seqlens.long()[sequence]
+        if max_walk_back is None:
+            max_walk_back = int(((piece_start - seq_start) // chunk_size).max().item()) if num_pieces else 0
     if max_walk_back == 0 or log_decay_threshold == float("-inf"):
         return seq_start.to(torch.int32)[:, None].expand(num_pieces, num_heads).contiguous()
-    # Per piece: summed decay of the k chunks right before piece_start, k = 1..max_back (few launches:
-    # this runs on every call of a split forward).
-    back = torch.arange(max_back, device=gamma.device)
-    last_token = piece_start[:, None] - back[None, :] * chunk_size - 1                 # [P, max_back]
-    decay = gamma[last_token.clamp(min=0)]                                              # [P, max_back, H]
-    decay = decay.masked_fill((last_token < seq_start[:, None])[..., None], 0.0)
+    if walk_index is None:
+        walk_index = WalkIndex(piece_start, seq_start, *_walk_grid(piece_start, seq_start, max_walk_back, chunk_size))
+    # Per piece: summed decay of the k chunks right before piece_start, k = 1..max_walk_back.
+    decay = gamma[walk_index.last_token]                                                # [P, max_back, H]
+    decay = decay.masked_fill(walk_index.before_sequence, 0.0)
     # Chunks still short of the threshold; the walk takes one more (or reaches the sequence start).
     short = (decay.double().cumsum(dim=1) > log_decay_threshold).sum(dim=1)            # [P, H]
     walk = torch.maximum(piece_start[:, None] - (short + 1) * chunk_size, seq_start[:, None])
     return walk.to(torch.int32).contiguous()
+
+
+def _walk_grid(piece_start: torch.Tensor, seq_start: torch.Tensor, max_walk_back: int, chunk_size: int):
+    """WalkIndex.last_token and .before_sequence on the device, for callers without a plan."""
+    back = torch.arange(max_walk_back, device=piece_start.device)
+    last_token = piece_start[:, None] - back[None, :] * chunk_size - 1
+    return last_token.clamp(min=0), (last_token < seq_start[:, None])[..., None]
