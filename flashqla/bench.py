@@ -1,25 +1,34 @@
-"""Forward (and backward) timings of our kernels beside FLA's and FlashQLA's.
+"""Forward (and backward) timings of our kernels beside FLA's and FlashQLA's, all three per shape.
 
     python -m flashqla.bench [--fwd] [--bwd] [--json PATH] [--shapes SUBSTR,...] [--baselines fla,flashqla]
+                             [--time-budget SECONDS] [--breakdown]
 
+Each library is called the way its users call it: ours through `flashqla.chunk_gated_delta_rule`
+(backend="tilelang", input checks included), FLA through `fla.ops.gated_delta_rule.chunk_gated_delta_rule`
+with FLA_FLASH_QLA=0 (else FLA hands the call to FlashQLA), FlashQLA through
+`flash_qla.chunk_gated_delta_rule`; cu_seqlens is made once per shape in the dtype each expects.
 Inputs as in docs/anchors.md: bf16 q/k/v (q, k L2-normalised), fp32 g = logsigmoid(randn)/16,
 fp32 beta = sigmoid(rand), fp32 initial state, final state on, K = V = 128, B = 1 with cu_seqlens.
 Median of triton.testing.do_bench; forward under no_grad; backward = (forward + backward) - forward.
---breakdown adds our per-stage times (planning, cumsum, gated products, walk starts, fused walk).
-FlashQLA compiles about a dozen TileLang kernels per head layout on first use (minutes without a
-carried TileLang cache); `--baselines fla` leaves it out.
+Per shape it also records each library's first call (compile included: FlashQLA compiles about a
+dozen TileLang kernels per head layout, minutes without a carried TileLang cache) and the relative
+L2 distance of o and the final state from FLA's.
+--breakdown adds our per-stage times (planning uncached and cached, cumsum, gated products, walk
+starts, fused walk). --time-budget starts no shape that would likely end past the budget; the
+JSON is rewritten after every shape, so a killed run keeps what it measured.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import time
 
 import torch
 import torch.nn.functional as F
 
 # FLA must run its own kernels, not route to FlashQLA (read when fla is imported and per call).
-os.environ.setdefault("FLA_FLASH_QLA", "0")
+os.environ["FLA_FLASH_QLA"] = "0"
 
 HEAD_LAYOUTS = {"TP1": (16, 64), "TP1.33": (16, 48), "TP2": (16, 32), "TP2'": (8, 32), "TP2.67": (8, 24),
                 "TP4": (4, 16), "TP8": (2, 8), "16/16": (16, 16)}
@@ -49,49 +58,48 @@ def make_inputs(heads: tuple[int, int], seq_lens: list[int], seed: int = 0) -> d
         beta=torch.rand(1, total, num_v_heads, generator=gen, device="cuda").sigmoid(),
         initial_state=randn(len(seq_lens), num_v_heads, 128, 128),
         cu_seqlens=torch.tensor([0, *seq_lens], device="cuda").cumsum(0).to(torch.int32),
+        cu_seqlens_long=torch.tensor([0, *seq_lens], device="cuda").cumsum(0),
     )
 
 
 def implementations(baselines: list[str]) -> dict:
-    """name -> f(inputs) returning (o, final_state); ours first."""
-    from flashqla.api import chunk_gated_delta_rule
+    """name -> f(inputs) returning (o, final_state); ours first. Each calls its library's public op."""
+    from flashqla import chunk_gated_delta_rule as ours_op
 
     def ours(x):
-        return chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"],
-                                      output_final_state=True, cu_seqlens=x["cu_seqlens"], backend="tilelang")
+        return ours_op(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"],
+                       output_final_state=True, cu_seqlens=x["cu_seqlens"], backend="tilelang")
 
     impls = {"ours": ours}
     if "fla" in baselines:
         try:
-            import fla  # noqa: F401
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_op
         except ImportError:
             print("fla-core not installed: FLA column skipped")
         else:
-            def fla_impl(x):
-                return chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"],
-                                              initial_state=x["initial_state"], output_final_state=True,
-                                              cu_seqlens=x["cu_seqlens"], backend="fla")
-            impls["fla"] = fla_impl
+            def fla(x):
+                return fla_op(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"],
+                              output_final_state=True, cu_seqlens=x["cu_seqlens_long"])
+            impls["fla"] = fla
     if "flashqla" in baselines:
         try:
-            import flash_qla
+            from flash_qla import chunk_gated_delta_rule as flashqla_op
         except ImportError:
             print("flash-qla not installed: FlashQLA column skipped")
         else:
-            def flashqla_impl(x):
-                return flash_qla.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"],
-                                                        initial_state=x["initial_state"], output_final_state=True,
-                                                        cu_seqlens=x["cu_seqlens"].long())
-            impls["flashqla"] = flashqla_impl
+            def flashqla(x):
+                return flashqla_op(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"],
+                                   output_final_state=True, cu_seqlens=x["cu_seqlens_long"])
+            impls["flashqla"] = flashqla
     return impls
 
 
 def forward_breakdown(inputs: dict, rep_ms: int) -> dict:
-    """Median ms of each stage of our forward (cumsum, gated products, planning, fused kernel)."""
+    """Median ms of each stage of our forward (planning, cumsum, gated products, walk starts, fused kernel)."""
     from triton.testing import do_bench
 
     from flashqla import hopper
-    from flashqla.hopper.chunk_plan import plan_forward, walk_starts
+    from flashqla.hopper.chunk_plan import build_forward_plan, plan_forward, walk_starts
     from flashqla.hopper.inverse import gated_products
 
     q, k, v, g, beta = (inputs[n][0] for n in ("q", "k", "v", "g", "beta"))
@@ -102,12 +110,14 @@ def forward_breakdown(inputs: dict, rep_ms: int) -> dict:
     index = plan.chunk_index
     gamma = hopper.chunk_local_cumsum(g[None], cu, chunk_index=index).view(num_tokens, num_v_heads)
     gated_inverse, scores = gated_products(q, k, gamma, beta, 128 ** -0.5, cu, index)
-    walk = walk_starts(plan.pieces, cu, gamma, -10.0, plan.max_walk_back)
+    walk = walk_starts(plan.pieces, cu, gamma, -10.0, plan.max_walk_back, walk_index=plan.walk_index)
     stages = {
-        "plan": lambda: plan_forward(cu, num_v_heads, 128, sm_count, hopper.MAX_VALUE_BLOCK),
+        # uncached: the first layer of a step with new cu_seqlens (one device->host read included)
+        "plan": lambda: build_forward_plan(cu.tolist(), cu.device, num_v_heads, 128, sm_count, hopper.MAX_VALUE_BLOCK),
+        "plan_cached": lambda: plan_forward(cu, num_v_heads, 128, sm_count, hopper.MAX_VALUE_BLOCK),
         "cumsum": lambda: hopper.chunk_local_cumsum(g[None], cu, chunk_index=index),
         "products": lambda: gated_products(q, k, gamma, beta, 128 ** -0.5, cu, index),
-        "walk": lambda: walk_starts(plan.pieces, cu, gamma, -10.0, plan.max_walk_back),
+        "walk": lambda: walk_starts(plan.pieces, cu, gamma, -10.0, plan.max_walk_back, walk_index=plan.walk_index),
         "fused": lambda: hopper.fused_forward(q, k, v, gamma, gated_inverse, scores, 128 ** -0.5, inputs["initial_state"],
                                              cu, plan.value_block, plan.pieces, walk, offsets=plan.chunk_offsets),
     }
@@ -115,6 +125,26 @@ def forward_breakdown(inputs: dict, rep_ms: int) -> dict:
     result["pieces"] = int(plan.pieces.shape[0])
     result["value_block"] = plan.value_block
     return result
+
+
+def first_call_s(fn, inputs) -> float:
+    """Wall seconds of one forward + backward, compiles included when they have not happened yet."""
+    leaves = {name: inputs[name].detach().requires_grad_(True) for name in ("q", "k", "v", "g", "beta", "initial_state")}
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    o, final_state = fn(dict(inputs, **leaves))
+    torch.autograd.backward((o, final_state), (torch.ones_like(o), torch.ones_like(final_state)))
+    torch.cuda.synchronize()
+    return time.perf_counter() - started
+
+
+def distance_from(reference, fn, inputs) -> dict:
+    """Relative L2 distance of fn's o and final state from the reference library's."""
+    from flashqla.testing import relative_error
+
+    with torch.no_grad():
+        o, state = fn(inputs)
+    return {"o": float(relative_error(o, reference[0])), "final_state": float(relative_error(state, reference[1]))}
 
 
 def time_forward(fn, inputs, rep_ms: int) -> float:
@@ -144,24 +174,38 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--fwd", action="store_true", help="time the forward (default when --bwd is not given)")
     parser.add_argument("--bwd", action="store_true", help="also time the backward through autograd")
-    parser.add_argument("--json", default=None, help="write all timings to this JSON file")
+    parser.add_argument("--json", default=None, help="write all timings to this JSON file (after every shape)")
     parser.add_argument("--shapes", default="", help="comma-separated substrings; run only matching shape names")
     parser.add_argument("--baselines", default="fla,flashqla", help="comma-separated: fla, flashqla")
     parser.add_argument("--breakdown", action="store_true", help="also time each stage of our forward")
     parser.add_argument("--rep", type=int, default=200, help="do_bench repetition time per measurement, ms")
+    parser.add_argument("--time-budget", type=float, default=None,
+                        help="seconds: start no shape whose expected end (slowest shape so far) is past this")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("flashqla.bench needs a CUDA GPU")
+    started = time.perf_counter()
     do_forward = args.fwd or not args.bwd
     impls = implementations([b for b in args.baselines.split(",") if b])
     wanted = [s for s in args.shapes.split(",") if s]
     shapes = [s for s in bench_shapes() if not wanted or any(w in s[0] for w in wanted)]
+    if not shapes:
+        raise SystemExit(f"--shapes {args.shapes!r} matches none of: {', '.join(s[0] for s in bench_shapes())}")
 
-    results = []
+    results, skipped, slowest_shape_s = [], [], 0.0
     for name, heads, seq_lens in shapes:
+        elapsed = time.perf_counter() - started
+        if args.time_budget is not None and results and elapsed + slowest_shape_s > args.time_budget:
+            skipped.append(name)
+            continue
+        shape_started = time.perf_counter()
         inputs = make_inputs(heads, seq_lens)
-        row = {"shape": name, "heads": list(heads), "seq_lens": seq_lens}
+        row = {"shape": name, "heads": list(heads), "seq_lens": seq_lens, "first_call_s": {}}
         for impl_name, fn in impls.items():
+            try:
+                row["first_call_s"][impl_name] = first_call_s(fn, inputs)
+            except Exception as error:  # e.g. a backward that refuses to run: still time the forward
+                row[f"{impl_name}_first_call_error"] = f"{type(error).__name__}: {error}"[:300]
             try:
                 forward_ms = time_forward(fn, inputs, args.rep)
                 if do_forward:
@@ -170,32 +214,66 @@ def main(argv=None) -> None:
                     row[f"{impl_name}_bwd_ms"] = time_backward(fn, inputs, args.rep, forward_ms)
             except Exception as error:  # a baseline failing must not hide the others' numbers
                 row[f"{impl_name}_error"] = f"{type(error).__name__}: {error}"[:300]
+        if "fla" in impls and "fla_error" not in row:
+            try:
+                with torch.no_grad():
+                    reference = impls["fla"](inputs)
+                row["distance_from_fla"] = {n: distance_from(reference, fn, inputs)
+                                            for n, fn in impls.items() if n != "fla" and f"{n}_error" not in row}
+            except Exception as error:
+                row["distance_error"] = f"{type(error).__name__}: {error}"[:300]
         if args.breakdown:
             try:
                 row["ours_breakdown_ms"] = forward_breakdown(inputs, max(args.rep // 4, 20))
             except Exception as error:
                 row["ours_breakdown_error"] = f"{type(error).__name__}: {error}"[:300]
+        row["wall_s"] = time.perf_counter() - shape_started
+        slowest_shape_s = max(slowest_shape_s, row["wall_s"])
         results.append(row)
         print(format_row(row, impls), flush=True)
         del inputs
         torch.cuda.empty_cache()
+        if args.json:
+            write_json(args.json, results, skipped, impls)
 
     print()
     print(format_table(results, impls, do_forward, args.bwd))
+    if skipped:
+        print(f"skipped for --time-budget {args.time_budget:g} s: {', '.join(skipped)}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "results": results}, f, indent=1)
+        write_json(args.json, results, skipped, impls)
+
+
+def write_json(path: str, results: list[dict], skipped: list[str], impls: dict) -> None:
+    import importlib.metadata as metadata
+
+    versions = {}
+    for package in ("torch", "triton", "tilelang", "fla-core", "flash-qla"):
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            versions[package] = None
+    with open(path, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "versions": versions, "implementations": list(impls),
+                   "results": results, "skipped": skipped}, f, indent=1)
 
 
 def format_row(row: dict, impls: dict) -> str:
     parts = [row["shape"]]
-    for impl_name in impls:
-        for kind in ("fwd", "bwd"):
+    for kind in ("fwd", "bwd"):
+        ours = row.get(f"ours_{kind}_ms")
+        for impl_name in impls:
             key = f"{impl_name}_{kind}_ms"
             if key in row:
-                parts.append(f"{impl_name} {kind} {row[key]:.3f} ms")
+                ratio = f" ({row[key] / ours:.2f}x ours)" if impl_name != "ours" and ours else ""
+                parts.append(f"{impl_name} {kind} {row[key]:.3f} ms{ratio}")
+    for impl_name in impls:
         if f"{impl_name}_error" in row:
             parts.append(f"{impl_name} ERROR {row[f'{impl_name}_error']}")
+    if row.get("first_call_s"):
+        parts.append("first call " + " ".join(f"{n}={t:.1f}s" for n, t in row["first_call_s"].items()))
+    for impl_name, distance in row.get("distance_from_fla", {}).items():
+        parts.append(f"{impl_name} vs fla o {distance['o']:.1e} state {distance['final_state']:.1e}")
     if "ours_breakdown_ms" in row:
         parts.append("stages " + " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
                                           for k, v in row["ours_breakdown_ms"].items()))
