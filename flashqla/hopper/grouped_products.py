@@ -5,14 +5,18 @@ Same outputs as inverse.gated_products_program (bf16 [T, Hv, 64] each):
     gated_inverse = Gm * A~ * beta_col,   A~ = (I + StrictLower(diag(beta) K K^T))^-1
     scores        = scale * Gm * tril(Q K^T)
 
-What changes (docs/kernel-notes.md, "grouped products candidate"):
-- k and q are loaded, and K K^T and Q K^T computed, once per qk head instead of once per value head.
+What changes (docs/kernel-notes.md, "Grouped products candidate"):
+- k and q are loaded, and K K^T and Q K^T computed, once per qk head instead of once per value
+  head; the decays and betas of the whole group are loaded in one pass.
+- Scores for every head of the group first (only Q K^T held), then the solves (only K K^T held).
 - The solve has no serial shared-memory steps: each of 64 threads solves one column of one 16x16
-  diagonal block in registers (D = blockdiag of the four inverses), then, with
-  N = D * StrictBlockLower(L), A~ = D - N A~ is exact after three iterations Y <- D - N Y from Y = D
-  (N^4 = 0), one tf32 tensor-core product each.
-- Fewer shared buffers: the left operand holds D then N, the right operand L then Y.
+  diagonal block in registers (D = blockdiag of the four inverses); then, with
+  N = D * StrictBlockLower(L), A~ = D - N A~ is reached exactly by three steps Y <- D - N Y from
+  Y = D (N^4 = 0), one tf32 mma product each. The diagonal blocks of N Y are exactly zero, so each
+  step rewrites only the off-diagonal blocks of Y.
+- ~53 KB of shared memory (k and q share their space with the solve's buffers), 4 CTAs per SM.
 
+No T.Pipelined loop: every load is a plain synchronous copy, so there is no producer to race with.
 Not yet run on a GPU: selected by inverse.gated_products(..., grouped=True), never by default.
 """
 
@@ -31,9 +35,15 @@ _BLOCK = 16
 _BLOCKS = _C // _BLOCK
 # Y_{k+1} = D - N Y_k from Y_0 = D is exact at k = _BLOCKS - 1 because N is strictly block lower.
 _ITERATIONS = _BLOCKS - 1
+MIN_BLOCKS_PER_SM = 4
+# Largest Hv / Hqk served: the group's decays and betas sit in shared memory (4 KB at 8).
+MAX_GROUP_SIZE = 8
 
 
-def grouped_products_program(head_dim: int = 128, dtype: str = "bfloat16", beta_dtype: str = "float32"):
+def grouped_products_program(head_dim: int = 128, dtype: str = "bfloat16", beta_dtype: str = "float32",
+                             min_blocks_per_sm: int = MIN_BLOCKS_PER_SM):
+    """min_blocks_per_sm caps registers for that many resident CTAs (4: 128 registers, ~120 bytes
+    spilled; 3: 168, none); the device test times both."""
     num_tokens = T.dynamic("num_tokens")
     num_sequences = T.dynamic("num_sequences")
     num_chunks = T.dynamic("num_chunks")
@@ -61,12 +71,19 @@ def grouped_products_program(head_dim: int = 128, dtype: str = "bfloat16", beta_
             length = T.min(cu_seqlens[sequence + 1] - start, _C)
             thread = T.get_thread_binding()
 
+            # 4 CTAs of ~53 KB shared memory fit an SM; ask ptxas for the registers to match.
+            T.annotate_min_blocks_per_sm(min_blocks_per_sm)
             k_shared = T.alloc_shared((_C, head_dim), dtype)
             q_shared = T.alloc_shared((_C, head_dim), dtype)
             gram = T.alloc_fragment((_C, _C), "float32")
             qk = T.alloc_fragment((_C, _C), "float32")
-            beta_shared = T.alloc_shared((_C,), "float32")
+            # Decays (log2 units) and betas of every head of the group, loaded in one pass.
+            gamma_group = T.alloc_shared((MAX_GROUP_SIZE, _C), "float32")
+            beta_group = T.alloc_shared((MAX_GROUP_SIZE, _C), "float32")
+            # The solving head's row of each: indexed by a run-time head, the group arrays make
+            # TileLang's sync planner put a barrier inside every loop that reads them and writes shared.
             gamma_shared = T.alloc_shared((_C,), "float32")
+            beta_shared = T.alloc_shared((_C,), "float32")
             # Plain (un-swizzled) copies for the per-thread column solve; the operands below are
             # only touched by T.gemm and T.Parallel, which agree on their swizzled layout.
             diag_lower = T.alloc_shared((_BLOCKS, _BLOCK, _BLOCK), "float32")
@@ -75,20 +92,35 @@ def grouped_products_program(head_dim: int = 128, dtype: str = "bfloat16", beta_
             lhs = T.alloc_shared((_C, _C), "float32")   # D, then N
             rhs = T.alloc_shared((_C, _C), "float32")   # L, then Y
             product = T.alloc_fragment((_C, _C), "float32")
-            ab_shared = T.alloc_shared((_C, _C), dtype)
-            p_shared = T.alloc_shared((_C, _C), dtype)
+            out_shared = T.alloc_shared((_C, _C), dtype)  # one head's scores, later one head's Ab
 
             for t, d in T.Parallel(_C, head_dim):
                 k_shared[t, d] = T.if_then_else(t < length, k[start + t, qk_head, d], T.cast(0, dtype))
                 q_shared[t, d] = T.if_then_else(t < length, q[start + t, qk_head, d], T.cast(0, dtype))
+            for member, t in T.Parallel(MAX_GROUP_SIZE, _C):
+                in_group = (member < group_size) & (t < length)
+                gamma_group[member, t] = T.if_then_else(
+                    in_group, gamma[start + t, qk_head * group_size + member], 0.0) * _LOG2E
+                beta_group[member, t] = T.if_then_else(
+                    in_group, T.cast(beta[start + t, qk_head * group_size + member], "float32"), 0.0)
             T.gemm(k_shared, k_shared, gram, transpose_B=True, clear_accum=True)
             T.gemm(q_shared, k_shared, qk, transpose_B=True, clear_accum=True)
+
+            # Scores of the whole group first, so Q K^T and K K^T are never both held in registers.
+            for member in T.serial(group_size):
+                head = qk_head * group_size + member
+                for t, s in T.Parallel(_C, _C):
+                    out_shared[t, s] = T.if_then_else(
+                        s <= t, T.exp2(gamma_group[member, t] - gamma_group[member, s]) * scale * qk[t, s], 0.0)
+                for i, j in T.Parallel(_C, _C):
+                    if i < length:
+                        scores[start + i, head, j] = out_shared[i, j]
 
             for member in T.serial(group_size):
                 head = qk_head * group_size + member
                 for t in T.Parallel(_C):
-                    beta_shared[t] = T.if_then_else(t < length, T.cast(beta[start + t, head], "float32"), 0.0)
-                    gamma_shared[t] = T.if_then_else(t < length, gamma[start + t, head], 0.0) * _LOG2E
+                    gamma_shared[t] = gamma_group[member, t]
+                    beta_shared[t] = beta_group[member, t]
                 # L = StrictLower(diag(beta) K K^T): whole in rhs, its diagonal blocks also in diag_lower.
                 for i, j in T.Parallel(_C, _C):
                     rhs[i, j] = T.if_then_else(j < i, beta_shared[i] * gram[i, j], 0.0)
@@ -96,9 +128,9 @@ def grouped_products_program(head_dim: int = 128, dtype: str = "bfloat16", beta_
                         diag_lower[i // _BLOCK, i % _BLOCK, j % _BLOCK] = T.if_then_else(
                             j < i, beta_shared[i] * gram[i, j], 0.0)
                 # Column c of (I + L_bb)^-1 by forward substitution, in one thread's registers.
+                diag = thread // _BLOCK
+                col = thread % _BLOCK
                 if thread < _C:
-                    diag = thread // _BLOCK
-                    col = thread % _BLOCK
                     for i in T.unroll(_BLOCK):
                         column[i] = T.if_then_else(i == col, 1.0, 0.0)
                         for j in T.unroll(i):
@@ -112,37 +144,35 @@ def grouped_products_program(head_dim: int = 128, dtype: str = "bfloat16", beta_
                 T.gemm(lhs, rhs, product, clear_accum=True)
                 for i, j in T.Parallel(_C, _C):
                     lhs[i, j] = T.if_then_else(i // _BLOCK > j // _BLOCK, product[i, j], 0.0)
-                    rhs[i, j] = T.if_then_else(
-                        i // _BLOCK == j // _BLOCK, diag_inverse[i // _BLOCK, i % _BLOCK, j % _BLOCK], 0.0)
+                    if i // _BLOCK != j // _BLOCK:
+                        rhs[i, j] = 0.0
+                if thread < _C:
+                    for i in T.unroll(_BLOCK):
+                        rhs[diag * _BLOCK + i, diag * _BLOCK + col] = column[i]
                 for _ in T.serial(_ITERATIONS - 1):
                     T.gemm(lhs, rhs, product, clear_accum=True)
                     for i, j in T.Parallel(_C, _C):
-                        rhs[i, j] = T.if_then_else(
-                            i // _BLOCK == j // _BLOCK, diag_inverse[i // _BLOCK, i % _BLOCK, j % _BLOCK], 0.0
-                        ) - product[i, j]
+                        if i // _BLOCK != j // _BLOCK:
+                            rhs[i, j] = -product[i, j]
                 T.gemm(lhs, rhs, product, clear_accum=True)
                 # Last iteration: A~ = D - N Y straight into the gated, beta-scaled bf16 output.
                 for t, s in T.Parallel(_C, _C):
-                    ab_shared[t, s] = T.if_then_else(
+                    out_shared[t, s] = T.if_then_else(
                         s <= t,
                         T.exp2(gamma_shared[t] - gamma_shared[s]) * beta_shared[s] * (T.if_then_else(
                             t // _BLOCK == s // _BLOCK, diag_inverse[t // _BLOCK, t % _BLOCK, s % _BLOCK], 0.0)
                             - product[t, s]),
                         0.0)
-                # Q K^T came from a wgmma, the products above from tf32 mma: different fragment layouts.
-                for t, s in T.Parallel(_C, _C):
-                    p_shared[t, s] = T.if_then_else(
-                        s <= t, T.exp2(gamma_shared[t] - gamma_shared[s]) * scale * qk[t, s], 0.0)
                 for i, j in T.Parallel(_C, _C):
                     if i < length:
-                        gated_inverse[start + i, head, j] = ab_shared[i, j]
-                        scores[start + i, head, j] = p_shared[i, j]
+                        gated_inverse[start + i, head, j] = out_shared[i, j]
 
     return grouped_products_kernel
 
 
 @functools.lru_cache(maxsize=None)
-def compile_grouped_products(head_dim: int = 128, dtype: str = "bfloat16", beta_dtype: str = "float32"):
-    program = grouped_products_program(head_dim, dtype, beta_dtype)
+def compile_grouped_products(head_dim: int = 128, dtype: str = "bfloat16", beta_dtype: str = "float32",
+                             min_blocks_per_sm: int = MIN_BLOCKS_PER_SM):
+    program = grouped_products_program(head_dim, dtype, beta_dtype, min_blocks_per_sm)
     return tilelang.compile(program, target=HOPPER_TARGET,
                             pass_configs={tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True})

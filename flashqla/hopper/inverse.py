@@ -12,7 +12,7 @@ import torch
 
 from flashqla.hopper.chunk_plan import CHUNK_SIZE, chunk_indices, flat_cu_seqlens
 from flashqla.hopper.cumsum import HOPPER_TARGET
-from flashqla.hopper.grouped_products import compile_grouped_products
+from flashqla.hopper.grouped_products import MAX_GROUP_SIZE, MIN_BLOCKS_PER_SM, compile_grouped_products
 
 _THREADS = 128
 _LOG2E = 1.4426950408889634
@@ -219,20 +219,26 @@ def compile_gated_products(head_dim: int = 128, dtype: str = "bfloat16", beta_dt
 
 
 def gated_products(q: torch.Tensor, k: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, scale: float,
-                   cu_seqlens: torch.Tensor, chunk_index: torch.Tensor,
-                   grouped: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                   cu_seqlens: torch.Tensor, chunk_index: torch.Tensor, grouped: bool = False,
+                   min_blocks_per_sm: int = MIN_BLOCKS_PER_SM) -> tuple[torch.Tensor, torch.Tensor]:
     """(gated_inverse, scores), each [T, Hv, 64] in q's dtype, on flattened inputs:
     q, k [T, Hqk, K]; gamma (fp32 chunk-local cumsum), beta [T, Hv]; cu_seqlens int32 [N+1].
 
-    grouped=True runs the candidate kernel of grouped_products.py (one CTA per chunk and qk head);
-    it has not been checked on a GPU yet, so the default stays the device-verified kernel.
+    grouped=True runs the candidate kernel of grouped_products.py (one CTA per chunk and qk head,
+    Hv / Hqk <= 8; min_blocks_per_sm is its register cap); it has not been checked on a GPU yet,
+    so the default stays the device-verified kernel.
     """
     num_tokens, num_v_heads = gamma.shape
+    if grouped and num_v_heads // q.shape[1] > MAX_GROUP_SIZE:
+        raise ValueError(f"gated_products(grouped=True) serves at most {MAX_GROUP_SIZE} value heads per qk head, "
+                         f"got Hv={num_v_heads}, Hqk={q.shape[1]}")
     gated_inverse = torch.empty(num_tokens, num_v_heads, _C, dtype=q.dtype, device=q.device)
     scores = torch.empty_like(gated_inverse)
     if chunk_index.shape[0] > 0:
-        compile_kernel = compile_grouped_products if grouped else compile_gated_products
-        kernel = compile_kernel(q.shape[-1], str(q.dtype).removeprefix("torch."),
-                                str(beta.dtype).removeprefix("torch."))
+        dtypes = (str(q.dtype).removeprefix("torch."), str(beta.dtype).removeprefix("torch."))
+        if grouped:
+            kernel = compile_grouped_products(q.shape[-1], *dtypes, min_blocks_per_sm)
+        else:
+            kernel = compile_gated_products(q.shape[-1], *dtypes)
         kernel(q, k, gamma, beta, cu_seqlens, chunk_index, gated_inverse, scores, float(scale))
     return gated_inverse, scores
