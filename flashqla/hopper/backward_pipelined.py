@@ -90,6 +90,9 @@ def pipelined_backward_program():
             delta_s = T.alloc_shared((_C, BV), op)
             d_delta_s = T.alloc_shared((_C, BV), op)
             du_s = T.alloc_shared((_C, BV), op)
+            # Float32 scratch for the transposes behind column sums, in dDelta's bytes: dDelta is
+            # read for the last time (dAb = dDelta W^T) before the first transpose.
+            cc_s = T.view(d_delta_s, (_C, _C), f32)
             b_s = T.alloc_shared((_C,), f32)
             gam_s = T.alloc_shared((_C,), f32)
             dec_s = T.alloc_shared((_C,), f32)  # e^{gamma_t}
@@ -113,6 +116,7 @@ def pipelined_backward_program():
             dab = T.alloc_fragment((_C, _C), f32)
             dpr = T.alloc_fragment((_C, _C), f32)
             cc = T.alloc_fragment((_C, _C), f32)
+            cc2 = T.alloc_fragment((_C, _C), f32)
             t1 = T.alloc_fragment((_C, _C), f32)
             dl = T.alloc_fragment((_C, _C), f32)
             kk = T.alloc_fragment((_C, _C), f32)
@@ -266,8 +270,10 @@ def pipelined_backward_program():
                                                    beta[next_start + T.min(tx, next_length - 1), next_head], 0.0)
 
                 for t, s in T.Parallel(_C, _C):
-                    cc[t, s] = dab[t, s] * ag[t, s]
-                T.reduce_sum(cc, col_sum, dim=0, clear=True)
+                    cc_s[t, s] = dab[t, s] * ag[t, s]
+                for t, s in T.Parallel(_C, _C):
+                    cc2[t, s] = cc_s[s, t]
+                T.reduce_sum(cc2, col_sum, dim=1, clear=True)
                 for t in T.Parallel(_C):
                     dbeta_s[t] = col_sum[t]
                 for t, s in T.Parallel(_C, _C):
@@ -280,9 +286,13 @@ def pipelined_backward_program():
                 for t, s in T.Parallel(_C, _C):
                     cc[t, s] = dab[t, s] * ag[t, s] + scale * dpr[t, s] * qk[t, s] * gm[t, s]
                 T.reduce_sum(cc, row, dim=1, clear=True)
+                for t, s in T.Parallel(_C, _C):
+                    cc_s[t, s] = cc[t, s]
+                for t, s in T.Parallel(_C, _C):
+                    cc2[t, s] = cc_s[s, t]
                 for t in T.Parallel(_C):
                     dgam_s[t] = dgam_s[t] + row[t]
-                T.reduce_sum(cc, col_sum, dim=0, clear=True)
+                T.reduce_sum(cc2, col_sum, dim=1, clear=True)
                 for t in T.Parallel(_C):
                     dgam_s[t] = dgam_s[t] - col_sum[t]
                 for t, s in T.Parallel(_C, _C):
