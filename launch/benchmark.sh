@@ -1,17 +1,41 @@
 #!/usr/bin/env bash
-# Step time, per-kernel times and peak memory of one size at one sequence length on one GPU,
+# Step time, per-kernel times and peak memory of one size at one sequence length on one GPU (or TP),
 # random init on the embedded corpus, each micro-batch one full-length sequence:
 #   launch/benchmark.sh 0.8B 131072 tilelang        # or fla, torch
 #   launch/benchmark.sh 0.8B 8192 tilelang,fla      # alternate backends step by step, log ratios
-# Extra arguments are Hydra overrides. Writes $RUNS/<size>-<tokens>-<backend>/metrics.jsonl (its
-# last line is the run summary) and copies it to $OUT when that is set.
+#   TP=2 launch/benchmark.sh 0.8B 131072 tilelang   # tensor parallel over 2 GPUs (SP=1: sequence parallel too)
+# TP (default 1) ranks split each layer's heads; NUM_GPUS (default TP) processes start, by torchrun
+# when more than one, so NUM_GPUS / TP ranks are data parallel. Extra arguments are Hydra overrides.
+# Writes $RUNS/<size>-<tokens>-<backend>[-tp<TP>[sp]][-<N>gpu]/metrics.jsonl (its last line is the
+# run summary) and copies it to $OUT when that is set.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SIZE=${1:?usage: launch/benchmark.sh SIZE TOKENS BACKEND[,BACKEND] [overrides...]}
 TOKENS=${2:?tokens per sequence}
 BACKEND=${3:?tilelang, fla, torch, or a comma list to compare}
 shift 3
-RUN_DIR=${RUNS:-runs/benchmark}/${SIZE}-${TOKENS}-${BACKEND/,/_vs_}
+TP=${TP:-1}
+SP=${SP:-0}
+NUM_GPUS=${NUM_GPUS:-$TP}
+NAME=${SIZE}-${TOKENS}-${BACKEND/,/_vs_}
+SEQUENCE_PARALLEL=false
+if [ "$TP" -gt 1 ]; then
+    NAME=$NAME-tp$TP
+    if [ "$SP" = 1 ]; then
+        SEQUENCE_PARALLEL=true
+        NAME=${NAME}sp
+    fi
+fi
+if [ "$NUM_GPUS" -ne "$TP" ]; then
+    NAME=$NAME-${NUM_GPUS}gpu
+fi
+RUN_DIR=${RUNS:-runs/benchmark}/$NAME
+PYTHON=${PYTHON:-python3}
+if [ "$NUM_GPUS" -gt 1 ]; then
+    LAUNCH=("$PYTHON" -m torch.distributed.run --standalone --nproc_per_node "$NUM_GPUS")
+else
+    LAUNCH=("$PYTHON")
+fi
 if [ "$TOKENS" -gt 32768 ]; then
     PRESET=continue_pretrain_128k   # activation checkpointing on
 else
@@ -25,11 +49,12 @@ else
     STEPS=${STEPS:-10}
 fi
 rm -rf "$RUN_DIR"
-"${PYTHON:-python3}" train/pretrain.py experiment=$PRESET model=$SIZE "${BACKEND_ARGS[@]}" \
+"${LAUNCH[@]}" train/pretrain.py experiment=$PRESET model=$SIZE "${BACKEND_ARGS[@]}" \
+    parallel.tp=$TP parallel.sequence_parallel=$SEQUENCE_PARALLEL \
     train.tokens_per_micro_batch=$TOKENS train.seq_len=$TOKENS data.document_boundaries=false \
     train.steps=$STEPS train.warmup_steps=2 benchmark.kernel_timing=true benchmark.warmup_steps=2 \
     train.checkpoint_every=0 train.checkpoint_at_exit=false train.export_hf=false logger.mode=disabled \
     run_dir="$RUN_DIR" "$@"
 if [ -n "${OUT:-}" ]; then
-    cp "$RUN_DIR/metrics.jsonl" "$OUT/metrics-${SIZE}-${TOKENS}-${BACKEND/,/_vs_}.jsonl"
+    cp "$RUN_DIR/metrics.jsonl" "$OUT/metrics-$NAME.jsonl"
 fi

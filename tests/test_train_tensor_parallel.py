@@ -130,3 +130,12 @@ def test_tp_that_does_not_split_the_model_names_the_key():
     message = str(error.value)
     assert message.startswith("parallel.tp=3: model tiny does not split over 3 ranks")
     assert "linear_num_key_heads = 2" in message
+
+
+def test_resuming_with_another_tp_names_both_sizes(tp2_resumed_run):
+    from train.checkpoint import find_resume_point, load_checkpoint
+
+    point = find_resume_point(str(tp2_resumed_run), None)
+    # refused before the engine is touched: DeepSpeed would fail later on mismatched shapes
+    with pytest.raises(ConfigError, match=r"^train.resume: .* holds parallel.tp=2 shards, this run has parallel.tp=1"):
+        load_checkpoint(None, point, tp_size=1)

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from qwen_hybrid.parallel import ParallelGroups, save_hf_checkpoint
+from train.config import ConfigError
 
 CHECKPOINTS_DIR = "checkpoints"
 LATEST_FILE = "latest"
@@ -80,8 +81,14 @@ def save_checkpoint(engine, run_dir: Path, state: TrainerState, keep: int) -> Pa
     return tag_dir
 
 
-def load_checkpoint(engine, point: ResumePoint) -> TrainerState:
+def load_checkpoint(engine, point: ResumePoint, tp_size: int) -> TrainerState:
     """Collective. Restores module, optimizer, lr schedule, this rank's RNG; returns the trainer state."""
+    saved_tp = _tensor_parallel_size_of(point.checkpoints_dir / point.tag)
+    if saved_tp is not None and saved_tp != tp_size:
+        raise ConfigError(
+            f"train.resume: checkpoint {point.checkpoints_dir / point.tag} holds parallel.tp={saved_tp} shards, this "
+            f"run has parallel.tp={tp_size}; resume with parallel.tp={saved_tp} (the data-parallel size may change)"
+        )
     path, client_state = engine.load_checkpoint(str(point.checkpoints_dir), tag=point.tag)
     if path is None or client_state is None or "trainer_state" not in client_state:
         raise ValueError(f"train.resume: could not load checkpoint {point.checkpoints_dir / point.tag}")
@@ -105,6 +112,13 @@ def export_hf(engine, run_dir: Path, parallel_groups: ParallelGroups) -> Path | 
         save_hf_checkpoint(model, parallel_groups, output)
     dist.barrier()
     return output if dist.get_rank() == 0 else None
+
+
+def _tensor_parallel_size_of(tag_dir: Path) -> int | None:
+    """How many tensor-parallel ranks wrote a DeepSpeed checkpoint: one model file per rank,
+    named ...mp_rank_NN_model_states.pt."""
+    ranks = {path.name.split("mp_rank_")[1][:2] for path in tag_dir.glob("*mp_rank_*_model_states.pt")}
+    return len(ranks) or None
 
 
 def _rng_state() -> dict:

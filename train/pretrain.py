@@ -6,6 +6,8 @@
 
 The config groups live in configs/ (see configs/pretrain.yaml). Every rank writes into one run
 directory chosen by rank 0: metrics.jsonl, config.yaml, checkpoints/, hf_final/, wandb/.
+parallel.tp=N splits every layer's heads over N consecutive ranks (they read the same data);
+the world size / N data-parallel replicas share ZeRO's partitions.
 """
 from __future__ import annotations
 
@@ -215,7 +217,6 @@ def train(cfg: DictConfig) -> int:
     validate_config(cfg)
     rank, world_size, local_rank = init_distributed()
     check_parallel_layout(cfg, world_size)
-    parallel_groups = init_parallel_groups(cfg.parallel.tp)
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s", force=True)
     deepspeed.utils.logger.setLevel(logging.WARNING)
     if torch.cuda.is_available():
@@ -226,6 +227,7 @@ def train(cfg: DictConfig) -> int:
         if "OMP_NUM_THREADS" not in os.environ:
             # CPU runs use small models, whose ops are too short to gain from threads that only contend
             torch.set_num_threads(1)
+    parallel_groups = init_parallel_groups(cfg.parallel.tp)  # after set_device: NCCL groups bind to it
 
     resume_point = None
     if cfg.train.resume is not None:
@@ -264,7 +266,7 @@ def train(cfg: DictConfig) -> int:
 
     state = TrainerState()
     if resume_point is not None:
-        state = load_checkpoint(engine, resume_point)
+        state = load_checkpoint(engine, resume_point, cfg.parallel.tp)
         log.info(f"resumed from {resume_point.checkpoints_dir / resume_point.tag} at step {state.step}")
     # the ranks of one tensor-parallel group read the same micro-batches
     dp_rank, dp_size = parallel_groups.dp_rank, parallel_groups.dp_size
