@@ -56,6 +56,41 @@ def test_block_iteration_recipe_inverts_exactly_and_within_tf32_budget():
             assert error <= (2e-3 if tf32 else 1e-12), (correlation, tf32, error)
 
 
+def _blocks_opened_by(source: str, opening: str) -> list[str]:
+    """Bodies of every `opening {...}` block of the generated CUDA (brace matched)."""
+    bodies = []
+    for start in [i for i in range(len(source)) if source.startswith(opening, i)]:
+        depth, i = 0, source.index("{", start)
+        for end in range(i, len(source)):
+            depth += {"{": 1, "}": -1}.get(source[end], 0)
+            if depth == 0:
+                bodies.append(source[i:end + 1])
+                break
+    return bodies
+
+
+def test_grouped_products_cuda_has_no_producer_and_safe_barriers():
+    """Audit of the generated CUDA, repeated on every TileLang version: no asynchronous producer
+    (mbarriers/TMA) to race with; no barrier inside the per-thread column solve (only 64 threads
+    reach it: a deadlock); no barrier at the top of an element loop (one per element: TileLang adds
+    them when a loop reads a shared buffer indexed by a run-time value and writes another)."""
+    import shutil
+
+    pytest.importorskip("tilelang")
+    if shutil.which("nvcc") is None:
+        pytest.skip("needs nvcc to build the sm_90a kernel")
+    import re
+
+    from flashqla.hopper.grouped_products import compile_grouped_products
+
+    source = compile_grouped_products().get_kernel_source()
+    assert "__launch_bounds__(128, 4)" in source
+    assert "mbarrier" not in source and "tma_load" not in source
+    column_solves = _blocks_opened_by(source, "if (((int)threadIdx.x) < 64)")
+    assert len(column_solves) >= 2 and not any("__syncthreads" in body for body in column_solves)
+    assert not re.search(r"for \(int [^)]*\) \{\s*__syncthreads\(\);", source)
+
+
 def test_grouped_products_reject_groups_over_the_limit():
     from flashqla.hopper.grouped_products import MAX_GROUP_SIZE
     from flashqla.hopper.inverse import gated_products
