@@ -7,10 +7,11 @@ Same math as backward_fused.py (gdn-kernels.md section 3), same inputs and outpu
   SM never waits for a new CTA to start and load from scratch;
 - every tile arrives by TMA (no per-thread synchronous copies), in two groups with their own
   mbarrier: group A (q, k, A~, dO) and group B (v, S0, dS1);
-- the products that read v, S0 and dS1 come first (U, W, Delta, dDelta, dv, dq's S0 term, dk's
-  S0/dS1 terms, sum(S0 . dS1)); right after them group B of the next task is issued into the
-  same buffers, so the largest loads (64 KB of states) fly during the second half of the task.
-  Group A is issued after the task's last read of q, k, A~, dO.
+- the products that read S0 and dS1 come first (U, W, Delta, dDelta, dv, dq's S0 term, dk's
+  S0/dS1 terms, sum(S0 . dS1)); v lands in W's buffer and becomes W in place. Right after
+  dAb = dDelta W^T (W's last read) group B of the next task is issued into the same buffers, so
+  the largest loads (64 KB of states) fly during the second half of the task. Group A is issued
+  after the task's last read of q, k, A~, dO.
 - gamma and beta of the next task are read into registers when group B is issued and written to
   shared at the start of the next task (plain loads: TMA cannot fetch a 4-byte column).
 
