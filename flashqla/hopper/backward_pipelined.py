@@ -130,12 +130,11 @@ def pipelined_backward_program():
             row_v = T.alloc_fragment((_C,), f32)  # row sums of C x BV fragments
             row_d = T.alloc_fragment((_C,), f32)  # row sums of C x K fragments
             row_k = T.alloc_fragment((K,), f32)
-            dg_mat = T.alloc_fragment((_C, _C), f32)
-            dg_row = T.alloc_fragment((_C,), f32)
             sd_mat = T.alloc_fragment((_C, K), f32)
             sd_row = T.alloc_fragment((_C,), f32)
             gamma_next = T.alloc_var(f32)  # this thread's gamma / beta entry of the next task
             beta_next = T.alloc_var(f32)
+            dg_sum = T.alloc_var(f32)  # this thread's row of dg
 
             # Task 0 of this worker: issue both load groups and read its gamma / beta.
             first_chunk = worker // num_v_heads
@@ -343,19 +342,20 @@ def pipelined_backward_program():
                         dk_head[start + t, head, d] = T.cast(dk[t, d], op)
 
                 # dg = reverse cumsum of dgamma within the chunk; every row also gets the gamma_C
-                # terms (sum of te and e^{gamma_C} sum(S0 . dS1)).
-                for t, j in T.Parallel(_C, _C):
-                    dg_mat[t, j] = T.if_then_else((j >= t) & (j < length), dgam_s[j], 0.0) + te_s[j]
-                T.reduce_sum(dg_mat, dg_row, dim=1, clear=True)
+                # terms (sum of te and e^{gamma_C} sum(S0 . dS1)). One thread per row sums from
+                # shared memory: a block reduction per row would cost 48 block barriers.
                 for t, a in T.Parallel(_C, K):
                     sd_mat[t, a] = state_dot_s[a]
                 T.reduce_sum(sd_mat, sd_row, dim=1, clear=True)
                 for t in T.Parallel(_C):
                     gamma_c_s[t] = sd_row[t] * dec_s[_C - 1]
-                for t in T.Parallel(_C):
-                    if t < length:
-                        dg[start + t, head] = dg_row[t] + gamma_c_s[t]
-                        dbeta[start + t, head] = dbeta_s[t]
+                T.sync_threads()
+                if tx < length:
+                    dg_sum = gamma_c_s[tx]
+                    for j in T.serial(_C):
+                        dg_sum = dg_sum + T.if_then_else((j >= tx) & (j < length), dgam_s[j], 0.0) + te_s[j]
+                    dg[start + tx, head] = dg_sum
+                    dbeta[start + tx, head] = dbeta_s[tx]
                 # The next task overwrites the small shared arrays read just above.
                 T.sync_threads()
 
