@@ -1,0 +1,117 @@
+#!/usr/bin/env bash
+# The device session's work, by parts, each step under its own timeout and all under one budget, so a
+# call ends inside the device tool's 10 minutes. Run on the device after the kit's setup:
+#   source .devkit/setup.sh; tools/device_session.sh PART [PART ...]
+# Parts:
+#   tests               every GPU test of the suite (pytest -m gpu; the 2-GPU test skips on one GPU)
+#   bench               python -m flashqla.bench --fwd --bwd --breakdown, ours / FLA / FlashQLA, JSON
+#                       (SHAPES=substr,... filters shapes; BENCH_BUDGET seconds, default: what is left)
+#   train-8k            launch/benchmark.sh 0.8B 8192 tilelang,fla
+#   train-128k-tilelang launch/benchmark.sh 0.8B 131072 tilelang
+#   train-128k-fla      launch/benchmark.sh 0.8B 131072 fla
+#   train-2b            launch/benchmark.sh 2B 131072 tilelang (memory at 128k)
+#   train               the four train parts above
+#   tp2                 (2 GPUs) the NCCL tensor-parallel test, then 10 training steps of 0.8B at tp=2
+#                       (TP2_OVERRIDES: extra Hydra overrides for that run)
+# Writes under $OUT: summary.txt, logs.tgz (every step's log and metrics), bench.json (bench),
+# tritoncache.tgz (Triton's cache, restored from .devkit/tritoncache.tgz next call); setup.sh adds
+# tlcache.tgz. Prints the summary table last. BUDGET_S (default 560) bounds the whole script.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/device-out}
+LOGS=$OUT/logs
+mkdir -p "$LOGS"
+PYTHON=${PYTHON:-python3}
+BUDGET_S=${BUDGET_S:-560}
+STARTED=$SECONDS
+# Training runs log to metrics.jsonl only: the kit has no wandb and nothing may import it.
+export PYTHONUNBUFFERED=1 WANDB_MODE=disabled TRITON_CACHE_DIR=/tmp/tritoncache RUNS=/tmp/runs
+mkdir -p "$TRITON_CACHE_DIR"
+[ -f .devkit/tritoncache.tgz ] && tar -xzf .devkit/tritoncache.tgz -C /tmp
+SUMMARY=()
+
+left() { echo $((BUDGET_S - (SECONDS - STARTED))); }
+
+# step NAME TIMEOUT_S COMMAND...: run under min(TIMEOUT_S, budget left), log to $LOGS/NAME.log,
+# record rc, seconds and the log's last meaningful line.
+step() {
+    local name=$1 limit=$2
+    shift 2
+    local budget
+    budget=$(left)
+    if [ "$budget" -lt 30 ]; then
+        SUMMARY+=("$(printf '%-22s %-8s %6s  %s' "$name" "SKIPPED" "-" "budget spent")")
+        return
+    fi
+    [ "$limit" -gt "$budget" ] && limit=$budget
+    echo "=== $name (limit ${limit}s) ==="
+    local began=$SECONDS
+    timeout -k 15 "$limit" "$@" >"$LOGS/$name.log" 2>&1
+    local rc=$?
+    local took=$((SECONDS - began))
+    local status=ok
+    [ $rc -ne 0 ] && status="rc=$rc"
+    [ $rc -eq 124 ] || [ $rc -eq 137 ] && status=TIMEOUT
+    local last
+    last=$(grep -E "passed|failed|error|run summary|skipped for|Error|Traceback" "$LOGS/$name.log" | tail -1 | cut -c1-150)
+    [ -z "$last" ] && last=$(tail -1 "$LOGS/$name.log" | cut -c1-150)
+    tail -3 "$LOGS/$name.log"
+    SUMMARY+=("$(printf '%-22s %-8s %5ss  %s' "$name" "$status" "$took" "$last")")
+}
+
+train_run() {  # train_run NAME SIZE TOKENS BACKENDS: metrics land in $LOGS via benchmark.sh's $OUT
+    local name=$1
+    shift
+    step "$name" "${TRAIN_TIMEOUT_S:-240}" env OUT="$LOGS" launch/benchmark.sh "$@"
+}
+
+run_part() {
+    case $1 in
+    tests)
+        step env 30 bash -c 'nvidia-smi; '"$PYTHON"' -c "import torch, triton, tilelang; print(torch.__version__, triton.__version__, tilelang.__version__, torch.cuda.get_device_name())"'
+        step pytest-gpu 420 "$PYTHON" -m pytest -m gpu -q -rfE -p no:cacheprovider --timeout=300 tests/
+        ;;
+    bench)
+        local budget=${BENCH_BUDGET:-$(($(left) - 40))}
+        step bench $((budget + 30)) "$PYTHON" -m flashqla.bench --fwd --bwd --breakdown --json "$OUT/bench.json" \
+            --time-budget "$budget" ${SHAPES:+--shapes "$SHAPES"}
+        ;;
+    train-8k) train_run train-0.8B-8k-compare 0.8B 8192 tilelang,fla ;;
+    train-128k-tilelang) train_run train-0.8B-128k-tilelang 0.8B 131072 tilelang ;;
+    train-128k-fla) train_run train-0.8B-128k-fla 0.8B 131072 fla ;;
+    train-2b) train_run train-2B-128k-tilelang 2B 131072 tilelang ;;
+    train)
+        for part in train-8k train-128k-tilelang train-128k-fla train-2b; do run_part $part; done
+        ;;
+    tp2)
+        step pytest-tp2-nccl 240 "$PYTHON" -m pytest -q -rfE -p no:cacheprovider --timeout=200 \
+            "tests/test_tensor_parallel.py::test_tp2_on_two_gpus_over_nccl_matches_unsharded"
+        # shellcheck disable=SC2086  # TP2_OVERRIDES is a list of Hydra overrides
+        step train-0.8B-8k-tp2 300 env NUM_GPUS=2 launch/single_node.sh experiment=h200_single model=0.8B \
+            parallel.tp=2 train.steps=10 train.warmup_steps=2 benchmark.warmup_steps=2 train.checkpoint_every=0 \
+            train.checkpoint_at_exit=false train.export_hf=false logger.mode=disabled data.document_boundaries=false \
+            run_dir=/tmp/runs/0.8B-8192-tp2 ${TP2_OVERRIDES:-}
+        [ -f /tmp/runs/0.8B-8192-tp2/metrics.jsonl ] && cp /tmp/runs/0.8B-8192-tp2/metrics.jsonl "$LOGS/metrics-0.8B-8192-tp2.jsonl"
+        ;;
+    *)
+        echo "unknown part '$1': tests, bench, train-8k, train-128k-tilelang, train-128k-fla, train-2b, train, tp2" >&2
+        SUMMARY+=("$(printf '%-22s %-8s' "$1" "UNKNOWN")")
+        ;;
+    esac
+}
+
+[ $# -eq 0 ] && set -- tests
+for part in "$@"; do run_part "$part"; done
+
+# Each run's last metrics line is its summary (step time, tokens/s, peak memory).
+for metrics in "$LOGS"/metrics-*.jsonl; do
+    [ -f "$metrics" ] || continue
+    SUMMARY+=("$(basename "$metrics" .jsonl): $(grep run_summary "$metrics" | tail -1 | cut -c1-400)")
+done
+tar -czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"
+tar -czf "$OUT/tritoncache.tgz" -C /tmp "$(basename "$TRITON_CACHE_DIR")"
+{
+    echo "device_session $* : $((SECONDS - STARTED)) s of ${BUDGET_S} s"
+    printf '%-22s %-8s %6s  %s\n' step status time "last line"
+    printf '%s\n' "${SUMMARY[@]}"
+} | tee "$OUT/summary.txt"

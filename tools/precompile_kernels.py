@@ -1,0 +1,192 @@
+"""Compile the TileLang kernels the device bench and tests need, here, without a GPU.
+
+    python tools/precompile_kernels.py [--out .devkit/tlcache.tgz] [--shapes SUBSTR,...] [--skip-flashqla]
+                                       [--skip-ours] [--skip-fla]
+
+TileLang keys its disk cache on the kernel's TIR, its arguments, the target string, the
+TileLang version and the machine type (x86_64), nothing of the GPU itself. Our kernels name
+their target ({"kind": "cuda", "arch": "sm_90a"}); FlashQLA's use "auto", which on an H200
+resolves to the same Target, so compiling FlashQLA under `with Target(sm_90a)` gives the keys the
+device computes. Nothing here runs a kernel: JITKernel.__call__ is replaced by a no-op and the
+host code of both libraries runs on CPU tensors of the bench's shapes, so every specialisation
+the host code asks for gets compiled. FlashQLA sizes some grids from the SM count at import
+time: it is told the H200's 132 SMs.
+
+FLA runs Triton kernels except one: on Hopper its backward's dq/dk/dw/dg kernel is TileLang
+(fla/ops/common/backends/tilelang/chunk_bwd.py). fla needs Triton to import, which a CPU machine
+lacks, so that one file is loaded alone with stand-ins for its Triton and fla imports (only used
+at call time) and its builder is called with the arguments FLA passes on an H200.
+
+The cache is written to TILELANG_CACHE_DIR (default /tmp/tlcache) and packed to --out, which
+.devkit/setup.sh restores on the device.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+H200_SM_COUNT = 132
+TARGET = {"kind": "cuda", "arch": "sm_90a"}
+# GDN head layouts (qk heads, v heads) of the training runs: 0.8B and 2B at tp 1, and at tp 2.
+MODEL_HEADS = [(16, 16), (8, 8)]
+MODEL_SEQ_LENS = {"1x8192": [8192], "1x131072": [131072]}
+
+
+def pretend_h200() -> None:
+    """Make the CUDA queries FlashQLA's host code makes answer as on one H200 (CPU tensors)."""
+    import torch
+
+    properties = types.SimpleNamespace(multi_processor_count=H200_SM_COUNT, name="NVIDIA H200",
+                                       major=9, minor=0, total_memory=141 * 2**30)
+    torch.cuda.get_device_properties = lambda *args, **kwargs: properties
+    torch.cuda.get_device_capability = lambda *args, **kwargs: (9, 0)
+    torch.cuda.is_available = lambda: True
+    torch.cuda.is_current_stream_capturing = lambda: False
+    torch.cuda.device = lambda index=None: contextlib.nullcontext()
+    torch.cuda.current_device = lambda: 0
+
+
+def skip_kernel_launches() -> None:
+    from tilelang.jit.kernel import JITKernel
+
+    JITKernel.__call__ = lambda self, *args, **kwargs: None
+
+
+def cpu_inputs(heads: tuple[int, int], seq_lens: list[int], requires_grad: bool) -> dict:
+    """The bench's inputs (flashqla.bench.make_inputs) with the same shapes and dtypes, on CPU."""
+    import torch
+
+    num_qk_heads, num_v_heads = heads
+    total = sum(seq_lens)
+    tensors = dict(
+        q=torch.randn(1, total, num_qk_heads, 128, dtype=torch.bfloat16),
+        k=torch.randn(1, total, num_qk_heads, 128, dtype=torch.bfloat16),
+        v=torch.randn(1, total, num_v_heads, 128, dtype=torch.bfloat16),
+        g=-torch.rand(1, total, num_v_heads) / 16,
+        beta=torch.rand(1, total, num_v_heads),
+        initial_state=torch.randn(len(seq_lens), num_v_heads, 128, 128),
+    )
+    for tensor in tensors.values():
+        tensor.requires_grad_(requires_grad)
+    tensors["cu_seqlens"] = torch.tensor([0, *seq_lens]).cumsum(0)
+    return tensors
+
+
+def compile_flashqla(shapes) -> None:
+    """Run FlashQLA's forward (no_grad) and forward + backward for each shape, kernels skipped."""
+    import torch
+    from tvm.target import Target
+
+    with Target(TARGET):
+        import flash_qla
+
+        for name, heads, seq_lens in shapes:
+            started = time.time()
+            x = cpu_inputs(heads, seq_lens, requires_grad=False)
+            with torch.no_grad():
+                flash_qla.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"],
+                                                 initial_state=x["initial_state"], output_final_state=True,
+                                                 cu_seqlens=x["cu_seqlens"])
+            x = cpu_inputs(heads, seq_lens, requires_grad=True)
+            o, final_state = flash_qla.chunk_gated_delta_rule(
+                x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"],
+                output_final_state=True, cu_seqlens=x["cu_seqlens"])
+            torch.autograd.backward((o, final_state), (torch.randn_like(o), torch.randn_like(final_state)))
+            print(f"flashqla {name}: {time.time() - started:.0f} s", flush=True)
+
+
+def compile_ours(shapes) -> None:
+    """Our forward and backward entries on CPU tensors, kernels skipped (they pick BV etc. per shape)."""
+    import torch
+
+    from flashqla import hopper
+    from flashqla.hopper.backward import backward
+
+    for name, heads, seq_lens in shapes:
+        started = time.time()
+        x = cpu_inputs(heads, seq_lens, requires_grad=False)
+        cu = x["cu_seqlens"].to(torch.int32)
+        hopper.forward(x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["initial_state"], True, cu)
+        backward(x["q"], x["k"], x["v"], x["g"], x["beta"], 128 ** -0.5, x["initial_state"], cu,
+                 torch.randn_like(x["v"]), torch.randn_like(x["initial_state"]))
+        print(f"ours {name}: {time.time() - started:.0f} s", flush=True)
+
+
+def compile_fla_tilelang(head_layouts) -> None:
+    """FLA's TileLang dq/dk/dw/dg backward kernel, for packed (varlen) and dense inputs."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.find_spec("fla")
+    if spec is None:
+        print("fla-core not installed: FLA's TileLang kernel skipped")
+        return
+    path = Path(spec.origin).parent / "ops/common/backends/tilelang/chunk_bwd.py"
+    # chunk_bwd.py's imports of triton and fla are used only when FLA calls it; the builder needs none.
+    for name, attrs in (("triton", {}), ("fla", {}), ("fla.ops", {}), ("fla.ops.utils", {"prepare_chunk_indices": None}),
+                        ("fla.utils", {"check_shared_mem": None})):
+        sys.modules.setdefault(name, types.ModuleType(name)).__dict__.update(attrs)
+    namespace = {"__name__": "fla.ops.common.backends.tilelang.chunk_bwd"}
+    exec(compile(path.read_text(), str(path), "exec", dont_inherit=True), namespace)  # not our __future__ flags
+    build = namespace["_build_chunk_bwd_dqkwg_kernel"]
+
+    from tvm.target import Target
+
+    with Target(TARGET):
+        for num_qk_heads, num_v_heads in head_layouts:
+            # the bench packs sequences (varlen); training runs of the model may pass dense batches too
+            for varlen in (True, False) if (num_qk_heads, num_v_heads) in MODEL_HEADS else (True,):
+                started = time.time()
+                # as chunk_bwd_dqkwg_tilelang calls it for K = V = 128, bf16, gated, on a GPU with
+                # Hopper's shared memory (64-wide tiles)
+                build(B=1, H=num_qk_heads, HV=num_v_heads, K=128, V=128, BT=64, BK=64, BV=64, NK=2, hD1=128,
+                      hD2=128, dtype_str="bfloat16", USE_G=True, USE_DW=True, STATE_V_FIRST=False,
+                      IS_VARLEN=varlen, num_warps=4)
+                print(f"fla {num_qk_heads}/{num_v_heads} varlen={varlen}: {time.time() - started:.0f} s", flush=True)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=".devkit/tlcache.tgz", help="tarball of the cache folder ('' to skip)")
+    parser.add_argument("--merge", default=None,
+                        help="cache tarball to start from (default: --out when it exists, e.g. one the device sent back)")
+    parser.add_argument("--shapes", default="", help="comma-separated substrings of flashqla.bench shape names")
+    parser.add_argument("--skip-flashqla", action="store_true")
+    parser.add_argument("--skip-ours", action="store_true")
+    parser.add_argument("--skip-fla", action="store_true")
+    args = parser.parse_args(argv)
+
+    cache_dir = Path(os.environ.setdefault("TILELANG_CACHE_DIR", "/tmp/tlcache"))
+    merge = args.merge if args.merge is not None else (args.out if args.out and Path(args.out).exists() else "")
+    if merge:
+        # the tarball holds one folder named tlcache (setup.sh packs /tmp/tlcache)
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["tar", "-xzf", merge, "-C", str(cache_dir), "--strip-components=1"], check=True)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    pretend_h200()
+    skip_kernel_launches()
+    from flashqla.bench import bench_shapes
+
+    wanted = [s for s in args.shapes.split(",") if s]
+    shapes = [s for s in bench_shapes() if not wanted or any(w in s[0] for w in wanted)]
+    model_shapes = [(f"{a}/{b} {name}", (a, b), lens) for a, b in MODEL_HEADS for name, lens in MODEL_SEQ_LENS.items()]
+    if not args.skip_ours:
+        compile_ours(shapes + ([] if wanted else model_shapes))
+    if not args.skip_fla:
+        compile_fla_tilelang(sorted({heads for _, heads, _ in shapes} | (set() if wanted else set(MODEL_HEADS))))
+    if not args.skip_flashqla:
+        compile_flashqla(shapes)
+    if args.out:
+        out = Path(args.out).resolve()
+        subprocess.run(["tar", "-czf", str(out), "-C", str(cache_dir.parent), cache_dir.name], check=True)
+        print(f"{out}: {out.stat().st_size / 2**20:.1f} MiB")
+
+
+if __name__ == "__main__":
+    main()
