@@ -42,7 +42,7 @@ MAX_GROUP_SIZE = 8
 
 def grouped_products_program(head_dim: int = 128, dtype: str = "bfloat16", beta_dtype: str = "float32",
                              min_blocks_per_sm: int = MIN_BLOCKS_PER_SM):
-    """min_blocks_per_sm caps registers for that many resident CTAs (4: 128 registers, ~120 bytes
+    """min_blocks_per_sm caps registers for that many resident CTAs (4: 128 registers, ~112 bytes
     spilled; 3: 168, none); the device test times both."""
     num_tokens = T.dynamic("num_tokens")
     num_sequences = T.dynamic("num_sequences")
@@ -121,12 +121,15 @@ def grouped_products_program(head_dim: int = 128, dtype: str = "bfloat16", beta_
                 for t in T.Parallel(_C):
                     gamma_shared[t] = gamma_group[member, t]
                     beta_shared[t] = beta_group[member, t]
-                # L = StrictLower(diag(beta) K K^T): whole in rhs, its diagonal blocks also in diag_lower.
+                # L = StrictLower(diag(beta) K K^T): its diagonal blocks to diag_lower, the rest to rhs.
+                # rhs's diagonal blocks get D from the solve: D L keeps only blocks below the diagonal,
+                # D_ii L_ij, which do not read them, and D is where the iteration starts.
                 for i, j in T.Parallel(_C, _C):
-                    rhs[i, j] = T.if_then_else(j < i, beta_shared[i] * gram[i, j], 0.0)
                     if i // _BLOCK == j // _BLOCK:
                         diag_lower[i // _BLOCK, i % _BLOCK, j % _BLOCK] = T.if_then_else(
                             j < i, beta_shared[i] * gram[i, j], 0.0)
+                    else:
+                        rhs[i, j] = T.if_then_else(j < i, beta_shared[i] * gram[i, j], 0.0)
                 # Column c of (I + L_bb)^-1 by forward substitution, in one thread's registers.
                 diag = thread // _BLOCK
                 col = thread % _BLOCK
@@ -137,18 +140,16 @@ def grouped_products_program(head_dim: int = 128, dtype: str = "bfloat16", beta_
                             column[i] = column[i] - diag_lower[diag, i, j] * column[j]
                     for i in T.unroll(_BLOCK):
                         diag_inverse[diag, i, col] = column[i]
+                        rhs[diag * _BLOCK + i, diag * _BLOCK + col] = column[i]
                 for i, j in T.Parallel(_C, _C):
                     lhs[i, j] = T.if_then_else(
                         i // _BLOCK == j // _BLOCK, diag_inverse[i // _BLOCK, i % _BLOCK, j % _BLOCK], 0.0)
-                # D L has N = D * StrictBlockLower(L) off the diagonal blocks (D is block diagonal).
+                # Below the diagonal blocks D L is N = D * StrictBlockLower(L) (D is block diagonal).
                 T.gemm(lhs, rhs, product, clear_accum=True)
                 for i, j in T.Parallel(_C, _C):
                     lhs[i, j] = T.if_then_else(i // _BLOCK > j // _BLOCK, product[i, j], 0.0)
                     if i // _BLOCK != j // _BLOCK:
-                        rhs[i, j] = 0.0
-                if thread < _C:
-                    for i in T.unroll(_BLOCK):
-                        rhs[diag * _BLOCK + i, diag * _BLOCK + col] = column[i]
+                        rhs[i, j] = 0.0  # rhs = Y_0 = D
                 for _ in T.serial(_ITERATIONS - 1):
                     T.gemm(lhs, rhs, product, clear_accum=True)
                     for i, j in T.Parallel(_C, _C):
