@@ -189,10 +189,10 @@ def float64_products(args):
     return gated_inverse, scores
 
 
-@pytest.mark.parametrize("lengths", list(LENGTHS), ids=list(LENGTHS))
-@pytest.mark.parametrize("heads", HEAD_LAYOUTS, ids=[f"{a}_{b}" for a, b in HEAD_LAYOUTS])
 @pytest.mark.gpu
 @requires_hopper
+@pytest.mark.parametrize("lengths", list(LENGTHS), ids=list(LENGTHS))
+@pytest.mark.parametrize("heads", HEAD_LAYOUTS, ids=[f"{a}_{b}" for a, b in HEAD_LAYOUTS])
 def test_grouped_products_match_float64_and_current_kernel(heads, lengths):
     args = products_inputs(make_inputs(LENGTHS[lengths], *heads, seed=heads[1] * 10 + list(LENGTHS).index(lengths)))
     current = run_products(args, grouped=False)
@@ -210,9 +210,27 @@ def test_grouped_products_match_float64_and_current_kernel(heads, lengths):
         assert err_candidate <= 2 * err_current + 1e-3, f"{name}: {err_candidate:.3e} vs current {err_current:.3e}"
 
 
-@pytest.mark.parametrize("heads", [(16, 64), (8, 24), (2, 8)], ids=["16_64", "8_24", "2_8"])
 @pytest.mark.gpu
 @requires_hopper
+@pytest.mark.parametrize("dtype,beta_dtype", [(torch.float16, torch.float32), (torch.bfloat16, torch.bfloat16)],
+                         ids=["fp16", "bf16_beta"])
+def test_grouped_products_other_dtypes(dtype, beta_dtype):
+    """float16 q/k, and beta handed over in bf16 (the api passes bf16/fp16 beta through)."""
+    args = products_inputs(make_inputs([777, 1536], 4, 16, seed=3))
+    args["q"], args["k"], args["beta"] = args["q"].to(dtype), args["k"].to(dtype), args["beta"].to(beta_dtype)
+    current = run_products(args, grouped=False)
+    candidate = run_products(args, grouped=True)
+    exact = float64_products(args)
+    for got, was, ref in zip(candidate, current, exact):
+        assert got.dtype == dtype and torch.isfinite(got).all()
+        err_candidate, err_current = relative_error(got, ref), relative_error(was, ref)
+        assert err_candidate <= PRODUCTS_TOLERANCE, err_candidate
+        assert err_candidate <= 2 * err_current + 1e-3, (err_candidate, err_current)
+
+
+@pytest.mark.gpu
+@requires_hopper
+@pytest.mark.parametrize("heads", [(16, 64), (8, 24), (2, 8)], ids=["16_64", "8_24", "2_8"])
 def test_grouped_products_are_bitwise_deterministic(heads):
     args = products_inputs(make_inputs(RAGGED + [4096], *heads, seed=7))
     first = run_products(args, grouped=True)
@@ -221,10 +239,10 @@ def test_grouped_products_are_bitwise_deterministic(heads):
 
 
 @pytest.mark.parametrize("with_initial_state", [True, False], ids=["h0", "no_h0"])
-@pytest.mark.parametrize("lengths", list(LENGTHS), ids=list(LENGTHS))
-@pytest.mark.parametrize("heads", HEAD_LAYOUTS, ids=[f"{a}_{b}" for a, b in HEAD_LAYOUTS])
 @pytest.mark.gpu
 @requires_hopper
+@pytest.mark.parametrize("lengths", list(LENGTHS), ids=list(LENGTHS))
+@pytest.mark.parametrize("heads", HEAD_LAYOUTS, ids=[f"{a}_{b}" for a, b in HEAD_LAYOUTS])
 def test_forward_with_grouped_products_matches_float64_reference(monkeypatch, heads, lengths, with_initial_state):
     """The whole Hopper forward with the candidate in place of the current products kernel."""
     from flashqla import hopper
