@@ -84,13 +84,13 @@ def grouped_products_program(head_dim: int = 128, dtype: str = "bfloat16", beta_
             # TileLang's sync planner put a barrier inside every loop that reads them and writes shared.
             gamma_shared = T.alloc_shared((_C,), "float32")
             beta_shared = T.alloc_shared((_C,), "float32")
-            # Plain (un-swizzled) copies for the per-thread column solve; the operands below are
-            # only touched by T.gemm and T.Parallel, which agree on their swizzled layout.
+            # Plain layout for the per-thread column solve. Its writes into rhs by thread index go
+            # through rhs's swizzled layout like every other access (TileLang remaps them all).
             diag_lower = T.alloc_shared((_BLOCKS, _BLOCK, _BLOCK), "float32")
             diag_inverse = T.alloc_shared((_BLOCKS, _BLOCK, _BLOCK), "float32")
             column = T.alloc_local((_BLOCK,), "float32")
             lhs = T.alloc_shared((_C, _C), "float32")   # D, then N
-            rhs = T.alloc_shared((_C, _C), "float32")   # L, then Y
+            rhs = T.alloc_shared((_C, _C), "float32")   # L off the diagonal blocks and D on them, then Y
             product = T.alloc_fragment((_C, _C), "float32")
             out_shared = T.alloc_shared((_C, _C), dtype)  # one head's scores, later one head's Ab
 
@@ -156,7 +156,7 @@ def grouped_products_program(head_dim: int = 128, dtype: str = "bfloat16", beta_
                         if i // _BLOCK != j // _BLOCK:
                             rhs[i, j] = -product[i, j]
                 T.gemm(lhs, rhs, product, clear_accum=True)
-                # Last iteration: A~ = D - N Y straight into the gated, beta-scaled bf16 output.
+                # Last iteration: A~ = D - N Y straight into the gated, beta-scaled output.
                 for t, s in T.Parallel(_C, _C):
                     out_shared[t, s] = T.if_then_else(
                         s <= t,
