@@ -139,3 +139,14 @@ def test_resuming_with_another_tp_names_both_sizes(tp2_resumed_run):
     # refused before the engine is touched: DeepSpeed would fail later on mismatched shapes
     with pytest.raises(ConfigError, match=r"^train.resume: .* holds parallel.tp=2 shards, this run has parallel.tp=1"):
         load_checkpoint(None, point, tp_size=1)
+
+
+def test_save_pretrained_refuses_a_sharded_model(tmp_path):
+    from qwen_hybrid import QwenHybridConfig, QwenHybridForCausalLM
+    from qwen_hybrid.parallel import plan_tensor_parallel
+
+    model = QwenHybridForCausalLM(QwenHybridConfig.named("tiny"))
+    model.tensor_parallel_plan = plan_tensor_parallel(model.config, 2, 0)  # what shard_model leaves on a shard
+    with pytest.raises(ValueError, match=r"tensor-parallel sharded \(tp = 2\).*save_hf_checkpoint"):
+        model.save_pretrained(tmp_path / "shard")
+    assert not (tmp_path / "shard").exists()
