@@ -11,8 +11,9 @@
 #   train-128k-fla      launch/benchmark.sh 0.8B 131072 fla
 #   train-2b            launch/benchmark.sh 2B 131072 tilelang (memory at 128k)
 #   train               the four train parts above
-#   tp2                 (2 GPUs) the NCCL tensor-parallel test, then 10 training steps of 0.8B at tp=2
-#                       (TP2_OVERRIDES: extra Hydra overrides for that run)
+#   tp2                 (2 GPUs) the NCCL tensor-parallel test, then TP=2 SP=1 launch/benchmark.sh 0.8B
+#                       131072 tilelang and TP=2 launch/benchmark.sh 0.8B 8192 tilelang
+#                       (TP2_OVERRIDES: extra Hydra overrides for both runs)
 # Writes under $OUT: summary.txt, logs.tgz (every step's log and metrics), bench.json (bench),
 # tritoncache.tgz (Triton's cache, restored from .devkit/tritoncache.tgz next call); setup.sh adds
 # tlcache.tgz. Prints the summary table last. BUDGET_S (default 560) bounds the whole script.
@@ -32,15 +33,16 @@ SUMMARY=()
 
 left() { echo $((BUDGET_S - (SECONDS - STARTED))); }
 
-# step NAME TIMEOUT_S COMMAND...: run under min(TIMEOUT_S, budget left), log to $LOGS/NAME.log,
-# record rc, seconds and the log's last meaningful line.
+# step NAME TIMEOUT_S MIN_S COMMAND...: run under min(TIMEOUT_S, budget left) unless less than MIN_S
+# is left (then SKIPPED: a run cut short measures nothing); log to $LOGS/NAME.log; record rc,
+# seconds and the log's last meaningful line.
 step() {
-    local name=$1 limit=$2
-    shift 2
+    local name=$1 limit=$2 least=$3
+    shift 3
     local budget
     budget=$(left)
-    if [ "$budget" -lt 30 ]; then
-        SUMMARY+=("$(printf '%-22s %-8s %6s  %s' "$name" "SKIPPED" "-" "budget spent")")
+    if [ "$budget" -lt "$least" ]; then
+        SUMMARY+=("$(printf '%-22s %-8s %6s  %s' "$name" "SKIPPED" "-" "${budget}s left, needs ${least}s")")
         return
     fi
     [ "$limit" -gt "$budget" ] && limit=$budget
@@ -62,18 +64,18 @@ step() {
 train_run() {  # train_run NAME SIZE TOKENS BACKENDS: metrics land in $LOGS via benchmark.sh's $OUT
     local name=$1
     shift
-    step "$name" "${TRAIN_TIMEOUT_S:-240}" env OUT="$LOGS" launch/benchmark.sh "$@"
+    step "$name" "${TRAIN_TIMEOUT_S:-240}" 150 env OUT="$LOGS" launch/benchmark.sh "$@"
 }
 
 run_part() {
     case $1 in
     tests)
-        step env 30 bash -c 'nvidia-smi; '"$PYTHON"' -c "import torch, triton, tilelang; print(torch.__version__, triton.__version__, tilelang.__version__, torch.cuda.get_device_name())"'
-        step pytest-gpu 420 "$PYTHON" -m pytest -m gpu -q -rfE -p no:cacheprovider --timeout=300 tests/
+        step env 30 10 bash -c 'nvidia-smi; '"$PYTHON"' -c "import torch, triton, tilelang; print(torch.__version__, triton.__version__, tilelang.__version__, torch.cuda.get_device_name())"'
+        step pytest-gpu 420 120 "$PYTHON" -m pytest -m gpu -q -rfE -p no:cacheprovider --timeout=300 tests/
         ;;
     bench)
         local budget=${BENCH_BUDGET:-$(($(left) - 40))}
-        step bench $((budget + 30)) "$PYTHON" -m flashqla.bench --fwd --bwd --breakdown --json "$OUT/bench.json" \
+        step bench $((budget + 30)) 90 "$PYTHON" -m flashqla.bench --fwd --bwd --breakdown --json "$OUT/bench.json" \
             --time-budget "$budget" ${SHAPES:+--shapes "$SHAPES"}
         ;;
     train-8k) train_run train-0.8B-8k-compare 0.8B 8192 tilelang,fla ;;
@@ -84,14 +86,12 @@ run_part() {
         for part in train-8k train-128k-tilelang train-128k-fla train-2b; do run_part $part; done
         ;;
     tp2)
-        step pytest-tp2-nccl 240 "$PYTHON" -m pytest -q -rfE -p no:cacheprovider --timeout=200 \
+        step pytest-tp2-nccl 240 60 "$PYTHON" -m pytest -q -rfE -p no:cacheprovider --timeout=200 \
             "tests/test_tensor_parallel.py::test_tp2_on_two_gpus_over_nccl_matches_unsharded"
-        # shellcheck disable=SC2086  # TP2_OVERRIDES is a list of Hydra overrides
-        step train-0.8B-8k-tp2 300 env NUM_GPUS=2 launch/single_node.sh experiment=h200_single model=0.8B \
-            parallel.tp=2 train.steps=10 train.warmup_steps=2 benchmark.warmup_steps=2 train.checkpoint_every=0 \
-            train.checkpoint_at_exit=false train.export_hf=false logger.mode=disabled data.document_boundaries=false \
-            run_dir=/tmp/runs/0.8B-8192-tp2 ${TP2_OVERRIDES:-}
-        [ -f /tmp/runs/0.8B-8192-tp2/metrics.jsonl ] && cp /tmp/runs/0.8B-8192-tp2/metrics.jsonl "$LOGS/metrics-0.8B-8192-tp2.jsonl"
+        step train-0.8B-128k-tp2sp "${TRAIN_TIMEOUT_S:-240}" 150 env OUT="$LOGS" TP=2 SP=1 \
+            launch/benchmark.sh 0.8B 131072 tilelang ${TP2_OVERRIDES:-}
+        step train-0.8B-8k-tp2 "${TRAIN_TIMEOUT_S:-240}" 150 env OUT="$LOGS" TP=2 \
+            launch/benchmark.sh 0.8B 8192 tilelang ${TP2_OVERRIDES:-}
         ;;
     *)
         echo "unknown part '$1': tests, bench, train-8k, train-128k-tilelang, train-128k-fla, train-2b, train, tp2" >&2

@@ -101,8 +101,11 @@ def compile_flashqla(shapes) -> None:
             print(f"flashqla {name}: {time.time() - started:.0f} s", flush=True)
 
 
-def compile_ours(shapes) -> None:
-    """Our forward and backward entries on CPU tensors, kernels skipped (they pick BV etc. per shape)."""
+def compile_ours(shapes, like_the_model: bool) -> None:
+    """Our forward and backward entries on CPU tensors, kernels skipped (they pick BV etc. per shape).
+
+    like_the_model: inputs as the model's GDN layer passes them (bf16 beta, no initial state, no
+    final state, dense [1, T] without cu_seqlens) instead of the bench's."""
     import torch
 
     from flashqla import hopper
@@ -111,11 +114,15 @@ def compile_ours(shapes) -> None:
     for name, heads, seq_lens in shapes:
         started = time.time()
         x = cpu_inputs(heads, seq_lens, requires_grad=False)
-        cu = x["cu_seqlens"].to(torch.int32)
-        hopper.forward(x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["initial_state"], True, cu)
-        backward(x["q"], x["k"], x["v"], x["g"], x["beta"], 128 ** -0.5, x["initial_state"], cu,
-                 torch.randn_like(x["v"]), torch.randn_like(x["initial_state"]))
-        print(f"ours {name}: {time.time() - started:.0f} s", flush=True)
+        if like_the_model:
+            beta, h0, cu, d_state = x["beta"].to(torch.bfloat16), None, None, None
+        else:
+            beta, h0, cu = x["beta"], x["initial_state"], x["cu_seqlens"].to(torch.int32)
+            d_state = torch.randn_like(h0)
+        hopper.forward(x["q"], x["k"], x["v"], x["g"], beta, None, h0, not like_the_model, cu)
+        backward(x["q"], x["k"], x["v"], x["g"], beta, 128 ** -0.5, h0, cu, torch.randn_like(x["v"]), d_state)
+        print(f"ours {name}{' (as the model calls it)' if like_the_model else ''}: {time.time() - started:.0f} s",
+              flush=True)
 
 
 def compile_fla_tilelang(head_layouts) -> None:
@@ -156,6 +163,9 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default=".devkit/tlcache.tgz", help="tarball of the cache folder ('' to skip)")
     parser.add_argument("--merge", default=None,
                         help="cache tarball to start from (default: --out when it exists, e.g. one the device sent back)")
+    parser.add_argument("--sets", default="bench,model",
+                        help="bench: the bench's shapes for ours, FLA and FlashQLA; model: the training runs' "
+                             "head layouts for ours and FLA")
     parser.add_argument("--shapes", default="", help="comma-separated substrings of flashqla.bench shape names")
     parser.add_argument("--skip-flashqla", action="store_true")
     parser.add_argument("--skip-ours", action="store_true")
@@ -173,18 +183,24 @@ def main(argv=None) -> None:
     skip_kernel_launches()
     from flashqla.bench import bench_shapes
 
+    sets = set(args.sets.split(","))
     wanted = [s for s in args.shapes.split(",") if s]
-    shapes = [s for s in bench_shapes() if not wanted or any(w in s[0] for w in wanted)]
+    shapes = [s for s in bench_shapes() if not wanted or any(w in s[0] for w in wanted)] if "bench" in sets else []
     model_shapes = [(f"{a}/{b} {name}", (a, b), lens) for a, b in MODEL_HEADS for name, lens in MODEL_SEQ_LENS.items()]
+    if "model" not in sets:
+        model_shapes = []
     if not args.skip_ours:
-        compile_ours(shapes + ([] if wanted else model_shapes))
+        compile_ours(shapes, like_the_model=False)
+        compile_ours(model_shapes, like_the_model=True)
     if not args.skip_fla:
-        compile_fla_tilelang(sorted({heads for _, heads, _ in shapes} | (set() if wanted else set(MODEL_HEADS))))
+        compile_fla_tilelang(sorted({heads for _, heads, _ in shapes + model_shapes}))
     if not args.skip_flashqla:
         compile_flashqla(shapes)
     if args.out:
         out = Path(args.out).resolve()
-        subprocess.run(["tar", "-czf", str(out), "-C", str(cache_dir.parent), cache_dir.name], check=True)
+        # setup.sh unpacks the tarball into /tmp and expects the folder tlcache
+        subprocess.run(["tar", "-czf", str(out), "-C", str(cache_dir.parent),
+                        f"--transform=s,^{cache_dir.name},tlcache,", cache_dir.name], check=True)
         print(f"{out}: {out.stat().st_size / 2**20:.1f} MiB")
 
 
