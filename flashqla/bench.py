@@ -33,6 +33,7 @@ os.environ["FLA_FLASH_QLA"] = "0"
 HEAD_LAYOUTS = {"TP1": (16, 64), "TP1.33": (16, 48), "TP2": (16, 32), "TP2'": (8, 32), "TP2.67": (8, 24),
                 "TP4": (4, 16), "TP8": (2, 8), "16/16": (16, 16)}
 LENGTHS = {"1x8192": [8192], "1x32768": [32768], "28672+4096": [28672, 4096], "8192x4": [8192] * 4}
+DIFFERENTIABLE_INPUTS = ("q", "k", "v", "g", "beta", "initial_state")
 
 
 def bench_shapes() -> list[tuple[str, tuple[int, int], list[int]]]:
@@ -118,8 +119,9 @@ def forward_breakdown(inputs: dict, rep_ms: int) -> dict:
         "cumsum": lambda: hopper.chunk_local_cumsum(g[None], cu, chunk_index=index),
         "products": lambda: gated_products(q, k, gamma, beta, 128 ** -0.5, cu, index),
         "walk": lambda: walk_starts(plan.pieces, cu, gamma, -10.0, plan.max_walk_back, walk_index=plan.walk_index),
-        "fused": lambda: hopper.fused_forward(q, k, v, gamma, gated_inverse, scores, 128 ** -0.5, inputs["initial_state"],
-                                             cu, plan.value_block, plan.pieces, walk, offsets=plan.chunk_offsets),
+        "fused": lambda: hopper.fused_forward(q, k, v, gamma, gated_inverse, scores, 128 ** -0.5,
+                                             inputs["initial_state"], cu, plan.value_block, plan.pieces, walk,
+                                             offsets=plan.chunk_offsets),
     }
     result = {name: do_bench(fn, warmup=10, rep=rep_ms, return_mode="median") for name, fn in stages.items()}
     result["pieces"] = int(plan.pieces.shape[0])
@@ -129,7 +131,7 @@ def forward_breakdown(inputs: dict, rep_ms: int) -> dict:
 
 def first_call_s(fn, inputs) -> float:
     """Wall seconds of one forward + backward, compiles included when they have not happened yet."""
-    leaves = {name: inputs[name].detach().requires_grad_(True) for name in ("q", "k", "v", "g", "beta", "initial_state")}
+    leaves = {name: inputs[name].detach().requires_grad_(True) for name in DIFFERENTIABLE_INPUTS}
     torch.cuda.synchronize()
     started = time.perf_counter()
     o, final_state = fn(dict(inputs, **leaves))
@@ -157,7 +159,7 @@ def time_forward(fn, inputs, rep_ms: int) -> float:
 def time_backward(fn, inputs, rep_ms: int, forward_ms: float) -> float:
     from triton.testing import do_bench
 
-    leaves = {name: inputs[name].detach().requires_grad_(True) for name in ("q", "k", "v", "g", "beta", "initial_state")}
+    leaves = {name: inputs[name].detach().requires_grad_(True) for name in DIFFERENTIABLE_INPUTS}
     x = dict(inputs, **leaves)
     o, final_state = fn(x)
     d_o, d_state = torch.randn_like(o), torch.randn_like(final_state)
@@ -166,7 +168,8 @@ def time_backward(fn, inputs, rep_ms: int, forward_ms: float) -> float:
         out, state = fn(x)
         torch.autograd.backward((out, state), (d_o, d_state))
 
-    total = do_bench(step, warmup=max(rep_ms // 4, 10), rep=rep_ms, return_mode="median", grad_to_none=list(leaves.values()))
+    total = do_bench(step, warmup=max(rep_ms // 4, 10), rep=rep_ms, return_mode="median",
+                     grad_to_none=list(leaves.values()))
     return total - forward_ms
 
 

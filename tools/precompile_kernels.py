@@ -36,6 +36,10 @@ TARGET = {"kind": "cuda", "arch": "sm_90a"}
 # GDN head layouts (qk heads, v heads) of the training runs: 0.8B and 2B at tp 1, and at tp 2.
 MODEL_HEADS = [(16, 16), (8, 8)]
 MODEL_SEQ_LENS = {"1x8192": [8192], "1x131072": [131072]}
+# The GPU tests' grid (tests/test_hopper_forward.py, test_hopper_backward.py): with and without h0,
+# and one float16 case.
+TEST_HEADS = [(16, 64), (16, 32), (16, 16), (8, 24), (2, 8)]
+TEST_SEQ_LENS = {"1x4096": [4096], "ragged": [1000, 0, 64, 2047, 1, 129, 640], "1x32768": [32768]}
 
 
 def pretend_h200() -> None:
@@ -101,7 +105,7 @@ def compile_flashqla(shapes) -> None:
             print(f"flashqla {name}: {time.time() - started:.0f} s", flush=True)
 
 
-def compile_ours(shapes, like_the_model: bool) -> None:
+def compile_ours(shapes, like_the_model: bool = False, with_initial_state: bool = True, dtype_name: str = "bfloat16"):
     """Our forward and backward entries on CPU tensors, kernels skipped (they pick BV etc. per shape).
 
     like_the_model: inputs as the model's GDN layer passes them (bf16 beta, no initial state, no
@@ -111,18 +115,21 @@ def compile_ours(shapes, like_the_model: bool) -> None:
     from flashqla import hopper
     from flashqla.hopper.backward import backward
 
+    dtype = getattr(torch, dtype_name)
     for name, heads, seq_lens in shapes:
         started = time.time()
         x = cpu_inputs(heads, seq_lens, requires_grad=False)
+        q, k, v = (x[n].to(dtype) for n in ("q", "k", "v"))
         if like_the_model:
             beta, h0, cu, d_state = x["beta"].to(torch.bfloat16), None, None, None
         else:
-            beta, h0, cu = x["beta"], x["initial_state"], x["cu_seqlens"].to(torch.int32)
-            d_state = torch.randn_like(h0)
-        hopper.forward(x["q"], x["k"], x["v"], x["g"], beta, None, h0, not like_the_model, cu)
-        backward(x["q"], x["k"], x["v"], x["g"], beta, 128 ** -0.5, h0, cu, torch.randn_like(x["v"]), d_state)
-        print(f"ours {name}{' (as the model calls it)' if like_the_model else ''}: {time.time() - started:.0f} s",
-              flush=True)
+            beta, cu = x["beta"], x["cu_seqlens"].to(torch.int32)
+            h0 = x["initial_state"] if with_initial_state else None
+            d_state = torch.randn_like(x["initial_state"])
+        hopper.forward(q, k, v, x["g"], beta, None, h0, not like_the_model, cu)
+        backward(q, k, v, x["g"], beta, 128 ** -0.5, h0, cu, torch.randn_like(v), d_state)
+        variant = "as the model calls it" if like_the_model else f"{dtype_name}, h0={with_initial_state}"
+        print(f"ours {name} ({variant}): {time.time() - started:.0f} s", flush=True)
 
 
 def compile_fla_tilelang(head_layouts) -> None:
@@ -136,8 +143,9 @@ def compile_fla_tilelang(head_layouts) -> None:
         return
     path = Path(spec.origin).parent / "ops/common/backends/tilelang/chunk_bwd.py"
     # chunk_bwd.py's imports of triton and fla are used only when FLA calls it; the builder needs none.
-    for name, attrs in (("triton", {}), ("fla", {}), ("fla.ops", {}), ("fla.ops.utils", {"prepare_chunk_indices": None}),
-                        ("fla.utils", {"check_shared_mem": None})):
+    stand_ins = {"triton": {}, "fla": {}, "fla.ops": {}, "fla.ops.utils": {"prepare_chunk_indices": None},
+                 "fla.utils": {"check_shared_mem": None}}
+    for name, attrs in stand_ins.items():
         sys.modules.setdefault(name, types.ModuleType(name)).__dict__.update(attrs)
     namespace = {"__name__": "fla.ops.common.backends.tilelang.chunk_bwd"}
     exec(compile(path.read_text(), str(path), "exec", dont_inherit=True), namespace)  # not our __future__ flags
@@ -162,10 +170,11 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=".devkit/tlcache.tgz", help="tarball of the cache folder ('' to skip)")
     parser.add_argument("--merge", default=None,
-                        help="cache tarball to start from (default: --out when it exists, e.g. one the device sent back)")
-    parser.add_argument("--sets", default="bench,model",
+                        help="cache tarball to start from (default: --out when it exists, e.g. one the device "
+                             "sent back)")
+    parser.add_argument("--sets", default="bench,model,tests",
                         help="bench: the bench's shapes for ours, FLA and FlashQLA; model: the training runs' "
-                             "head layouts for ours and FLA")
+                             "head layouts for ours and FLA; tests: the GPU tests' grid for ours")
     parser.add_argument("--shapes", default="", help="comma-separated substrings of flashqla.bench shape names")
     parser.add_argument("--skip-flashqla", action="store_true")
     parser.add_argument("--skip-ours", action="store_true")
@@ -189,9 +198,15 @@ def main(argv=None) -> None:
     model_shapes = [(f"{a}/{b} {name}", (a, b), lens) for a, b in MODEL_HEADS for name, lens in MODEL_SEQ_LENS.items()]
     if "model" not in sets:
         model_shapes = []
+    test_shapes = [(f"{a}/{b} {name}", (a, b), lens) for a, b in TEST_HEADS for name, lens in TEST_SEQ_LENS.items()]
+    if "tests" not in sets:
+        test_shapes = []
     if not args.skip_ours:
-        compile_ours(shapes, like_the_model=False)
+        compile_ours(shapes)
         compile_ours(model_shapes, like_the_model=True)
+        compile_ours(test_shapes, with_initial_state=False)
+        if test_shapes:
+            compile_ours([("4/16 777+1536", (4, 16), [777, 1536])], dtype_name="float16")
     if not args.skip_fla:
         compile_fla_tilelang(sorted({heads for _, heads, _ in shapes + model_shapes}))
     if not args.skip_flashqla:

@@ -191,7 +191,8 @@ def _walk_index(pieces: np.ndarray, bounds: np.ndarray, max_walk_back: int, chun
     seq_start = bounds[pieces[:, 0]]
     last_token = piece_start[:, None] - np.arange(max_walk_back)[None, :] * chunk_size - 1
     before_sequence = (last_token < seq_start[:, None]).astype(np.int64)
-    packed = np.concatenate([piece_start, seq_start, np.maximum(last_token, 0).reshape(-1), before_sequence.reshape(-1)])
+    packed = np.concatenate([piece_start, seq_start, np.maximum(last_token, 0).reshape(-1),
+                             before_sequence.reshape(-1)])
     packed = torch.from_numpy(packed).to(device)
     n_grid = num_pieces * max_walk_back
     return WalkIndex(
