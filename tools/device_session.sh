@@ -12,8 +12,8 @@
 #   train-2b            launch/benchmark.sh 2B 131072 tilelang (memory at 128k)
 #   train               the four train parts above
 #   tp2                 (2 GPUs) the NCCL tensor-parallel test, then TP=2 SP=1 launch/benchmark.sh 0.8B
-#                       131072 tilelang and TP=2 launch/benchmark.sh 0.8B 8192 tilelang
-#                       (TP2_OVERRIDES: extra Hydra overrides for both runs)
+#                       131072 tilelang (TP2_OVERRIDES: extra Hydra overrides)
+#   tp2-8k              (2 GPUs) TP=2 launch/benchmark.sh 0.8B 8192 tilelang
 # Writes under $OUT: summary.txt, logs.tgz (every step's log and metrics), bench.json (bench),
 # tritoncache.tgz (Triton's cache, restored from .devkit/tritoncache.tgz next call); setup.sh adds
 # tlcache.tgz. Prints the summary table last. BUDGET_S (default 560) bounds the whole script.
@@ -90,11 +90,14 @@ run_part() {
             "tests/test_tensor_parallel.py::test_tp2_on_two_gpus_over_nccl_matches_unsharded"
         step train-0.8B-128k-tp2sp "${TRAIN_TIMEOUT_S:-240}" 150 env OUT="$LOGS" TP=2 SP=1 \
             launch/benchmark.sh 0.8B 131072 tilelang ${TP2_OVERRIDES:-}
+        ;;
+    tp2-8k)
         step train-0.8B-8k-tp2 "${TRAIN_TIMEOUT_S:-240}" 150 env OUT="$LOGS" TP=2 \
             launch/benchmark.sh 0.8B 8192 tilelang ${TP2_OVERRIDES:-}
         ;;
     *)
-        echo "unknown part '$1': tests, bench, train-8k, train-128k-tilelang, train-128k-fla, train-2b, train, tp2" >&2
+        echo "unknown part '$1': tests, bench, train-8k, train-128k-tilelang, train-128k-fla, train-2b, train," \
+            "tp2, tp2-8k" >&2
         SUMMARY+=("$(printf '%-22s %-8s' "$1" "UNKNOWN")")
         ;;
     esac
