@@ -42,7 +42,7 @@ step() {
     local budget
     budget=$(left)
     if [ "$budget" -lt "$least" ]; then
-        SUMMARY+=("$(printf '%-22s %-8s %6s  %s' "$name" "SKIPPED" "-" "${budget}s left, needs ${least}s")")
+        SUMMARY+=("$(printf '%-22s %-9s %6s  %s' "$name" "SKIPPED" "-" "${budget}s left, needs ${least}s")")
         return
     fi
     [ "$limit" -gt "$budget" ] && limit=$budget
@@ -53,12 +53,12 @@ step() {
     local took=$((SECONDS - began))
     local status=ok
     [ $rc -ne 0 ] && status="rc=$rc"
-    [ $rc -eq 124 ] || [ $rc -eq 137 ] && status=TIMEOUT
+    [ $rc -eq 124 ] || [ $rc -eq 137 ] && status=KILLED  # timeout, or out of memory
     local last
     last=$(grep -E "passed|failed|error|run summary|skipped for|Error|Traceback" "$LOGS/$name.log" | tail -1 | cut -c1-150)
     [ -z "$last" ] && last=$(tail -1 "$LOGS/$name.log" | cut -c1-150)
     tail -3 "$LOGS/$name.log"
-    SUMMARY+=("$(printf '%-22s %-8s %5ss  %s' "$name" "$status" "$took" "$last")")
+    SUMMARY+=("$(printf '%-22s %-9s %5ss  %s' "$name" "$status" "$took" "$last")")
 }
 
 train_run() {  # train_run NAME SIZE TOKENS BACKENDS: metrics land in $LOGS via benchmark.sh's $OUT
@@ -98,7 +98,7 @@ run_part() {
     *)
         echo "unknown part '$1': tests, bench, train-8k, train-128k-tilelang, train-128k-fla, train-2b, train," \
             "tp2, tp2-8k" >&2
-        SUMMARY+=("$(printf '%-22s %-8s' "$1" "UNKNOWN")")
+        SUMMARY+=("$(printf '%-22s %-9s' "$1" "UNKNOWN")")
         ;;
     esac
 }
@@ -115,6 +115,6 @@ tar -czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"
 tar -czf "$OUT/tritoncache.tgz" -C /tmp "$(basename "$TRITON_CACHE_DIR")"
 {
     echo "device_session $* : $((SECONDS - STARTED)) s of ${BUDGET_S} s"
-    printf '%-22s %-8s %6s  %s\n' step status time "last line"
+    printf '%-22s %-9s %6s  %s\n' step status time "last line"
     printf '%s\n' "${SUMMARY[@]}"
 } | tee "$OUT/summary.txt"
