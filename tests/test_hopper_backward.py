@@ -5,45 +5,20 @@ GPU tests compare every gradient with autograd through the float64 chunked refer
 """
 import pytest
 import torch
-import torch.nn.functional as F
 
 from flashqla import reference
 from flashqla.testing import relative_error
+from hopper_grid import HEAD_IDS, HEAD_LAYOUTS, LENGTHS, RAGGED, TOLERANCE, on_hopper, poison_allocator
+from hopper_grid import make_inputs as make_grid_inputs
 
-TOLERANCE = 2e-2
-HEAD_LAYOUTS = [(16, 64), (16, 32), (16, 16), (8, 24), (2, 8)]
-# Ragged: partial chunks, an empty sequence, a one-token sequence, exact multiples of 64.
-RAGGED = [1000, 0, 64, 2047, 1, 129, 640]
-LENGTHS = {"1x4096": [4096], "ragged": RAGGED, "1x32768": [32768]}
 GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
-
-on_hopper = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
 def make_inputs(seq_lens, num_qk_heads, num_v_heads, with_initial_state, seed=0, strong_decay=False):
-    """bf16 q/k/v (q, k L2-normalised), float32 g/beta/h0 on the GPU. A quarter of the heads
-    never decay (g = 0); with strong_decay another quarter draws g down to -20 per token."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    total = sum(seq_lens)
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=gen, device="cuda", dtype=torch.float32)
-
-    q = F.normalize(randn(1, total, num_qk_heads, 128), dim=-1).to(torch.bfloat16)
-    k = F.normalize(randn(1, total, num_qk_heads, 128), dim=-1).to(torch.bfloat16)
-    v = randn(1, total, num_v_heads, 128).to(torch.bfloat16)
-    g = F.logsigmoid(randn(1, total, num_v_heads)) / 16
-    quarter = max(num_v_heads // 4, 1)
-    g[..., :quarter] = 0.0
-    if strong_decay:
-        g[..., quarter:2 * quarter] = -20.0 * torch.rand(1, total, quarter, generator=gen, device="cuda")
-    beta = torch.rand(1, total, num_v_heads, generator=gen, device="cuda").sigmoid()
-    cu_seqlens = torch.tensor([0, *seq_lens], device="cuda").cumsum(0).to(torch.int32)
-    h0 = randn(len(seq_lens), num_v_heads, 128, 128) if with_initial_state else None
-    num_v = num_v_heads
-    do = randn(1, total, num_v, 128).to(torch.bfloat16)
-    dht = randn(len(seq_lens), num_v, 128, 128)
-    return dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=h0, cu_seqlens=cu_seqlens), do, dht
+    """(inputs, do, dht): bf16 q/k/v, float32 g/beta/h0 on the GPU. A quarter of the heads never
+    decay (g = 0); with strong_decay another quarter draws g down to -20 per token."""
+    return make_grid_inputs(seq_lens, num_qk_heads, num_v_heads, with_initial_state, seed=seed,
+                            decay="strong" if strong_decay else "still", with_output_grads=True)
 
 
 def float64_gradients(inputs, do, dht):
@@ -57,13 +32,6 @@ def float64_gradients(inputs, do, dht):
         output_final_state=True, cu_seqlens=inputs["cu_seqlens"])
     loss = (o * do.double()).sum() + (final_state * dht.double()).sum()
     return torch.autograd.grad(loss, [args[n] for n in names])
-
-
-def poison_allocator():
-    """Fill the caching allocator's free blocks with NaN so that unwritten outputs show."""
-    free = torch.cuda.mem_get_info()[0]
-    junk = torch.empty(min(free // 4, 8 << 30) // 4, dtype=torch.float32, device="cuda").fill_(float("nan"))
-    del junk
 
 
 def run_backward(inputs, do, dht):
@@ -84,7 +52,7 @@ def assert_close_to_reference(ours, ref):
 @pytest.mark.skipif(not on_hopper, reason="needs an SM90 (Hopper) GPU")
 @pytest.mark.parametrize("with_initial_state", [True, False], ids=["h0", "no_h0"])
 @pytest.mark.parametrize("lengths", list(LENGTHS), ids=list(LENGTHS))
-@pytest.mark.parametrize("heads", HEAD_LAYOUTS, ids=[f"{a}_{b}" for a, b in HEAD_LAYOUTS])
+@pytest.mark.parametrize("heads", HEAD_LAYOUTS, ids=HEAD_IDS)
 def test_backward_matches_float64_reference(heads, lengths, with_initial_state):
     inputs, do, dht = make_inputs(LENGTHS[lengths], *heads, with_initial_state)
     ours = run_backward(inputs, do, dht)

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from flashqla.testing import relative_error
-from test_hopper_backward import (GRAD_NAMES, HEAD_LAYOUTS, LENGTHS, RAGGED, TOLERANCE, assert_close_to_reference,
-                                  float64_gradients, make_inputs, on_hopper, poison_allocator)
+from hopper_grid import HEAD_IDS, HEAD_LAYOUTS, LENGTHS, RAGGED, on_hopper, poison_allocator
+from test_hopper_backward import GRAD_NAMES, assert_close_to_reference, float64_gradients, make_inputs
 
 # Candidate against the current kernel on the same inputs: both round the same products to bf16,
 # but sum in different orders (and dK's diag(beta) dL term goes through two products).
@@ -159,7 +159,7 @@ def run_full_backward(inputs, do, dht, pipelined):
 @requires_hopper
 @pytest.mark.parametrize("with_initial_state", [True, False], ids=["h0", "no_h0"])
 @pytest.mark.parametrize("lengths", list(LENGTHS), ids=list(LENGTHS))
-@pytest.mark.parametrize("heads", HEAD_LAYOUTS, ids=[f"{a}_{b}" for a, b in HEAD_LAYOUTS])
+@pytest.mark.parametrize("heads", HEAD_LAYOUTS, ids=HEAD_IDS)
 def test_pipelined_backward_matches_reference_and_current(heads, lengths, with_initial_state):
     """The issue's grid: float64 reference within the budget, and close to the current kernel."""
     inputs, do, dht = make_inputs(LENGTHS[lengths], *heads, with_initial_state)

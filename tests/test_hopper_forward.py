@@ -4,65 +4,17 @@ Needs an SM90 GPU: skipped elsewhere. Grid of the issue: head layouts x lengths 
 """
 import pytest
 import torch
-import torch.nn.functional as F
 
-from flashqla import reference
 from flashqla.testing import relative_error
+from hopper_grid import (HEAD_IDS, HEAD_LAYOUTS, LENGTHS, RAGGED, TOLERANCE, float64_reference, make_inputs,
+                         on_hopper, poison_allocator)
 
 pytestmark = pytest.mark.gpu
 
-if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+if not on_hopper:
     pytest.skip("needs an SM90 (Hopper) GPU", allow_module_level=True)
 
 from flashqla import hopper  # noqa: E402  (imports tilelang; only where the kernels can run)
-
-TOLERANCE = 2e-2
-HEAD_LAYOUTS = [(16, 64), (16, 32), (16, 16), (8, 24), (2, 8)]
-# Ragged: partial chunks, an empty sequence, a one-token sequence, exact multiples of 64.
-RAGGED = [1000, 0, 64, 2047, 1, 129, 640]
-LENGTHS = {"1x4096": [4096], "ragged": RAGGED, "1x32768": [32768]}
-
-
-def make_inputs(seq_lens, num_qk_heads, num_v_heads, with_initial_state, dtype=torch.bfloat16, seed=0,
-                mixed_decay=True):
-    """Anchors-like inputs drawn on the GPU; with mixed_decay a quarter of the heads never decay
-    and a quarter decay 16x faster than the rest."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    total = sum(seq_lens)
-    dev = "cuda"
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=gen, device=dev, dtype=torch.float32)
-
-    q = F.normalize(randn(1, total, num_qk_heads, 128), dim=-1).to(dtype)
-    k = F.normalize(randn(1, total, num_qk_heads, 128), dim=-1).to(dtype)
-    v = randn(1, total, num_v_heads, 128).to(dtype)
-    g = F.logsigmoid(randn(1, total, num_v_heads)) / 16
-    if mixed_decay and num_v_heads >= 4:
-        quarter = num_v_heads // 4
-        g[..., :quarter] = 0.0
-        g[..., quarter:2 * quarter] *= 16
-    beta = torch.rand(1, total, num_v_heads, generator=gen, device=dev).sigmoid()
-    cu_seqlens = torch.tensor([0, *seq_lens], device=dev).cumsum(0).to(torch.int32)
-    h0 = randn(len(seq_lens), num_v_heads, 128, 128) if with_initial_state else None
-    return dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=h0, cu_seqlens=cu_seqlens)
-
-
-def float64_reference(inputs):
-    args = {name: (x.double() if x is not None and x.is_floating_point() else x) for name, x in inputs.items()}
-    total = inputs["q"].shape[1]
-    # The token loop is the ground truth; for 32k tokens the chunked float64 form (checked
-    # against it in tests/test_reference.py) keeps the test quick.
-    fn = reference.recurrent_gated_delta_rule if total <= 8192 else reference.chunk_gated_delta_rule_torch
-    return fn(args["q"], args["k"], args["v"], args["g"], args["beta"], initial_state=args["initial_state"],
-              output_final_state=True, cu_seqlens=args["cu_seqlens"])
-
-
-def poison_allocator():
-    """Fill the caching allocator's free blocks with NaN so unwritten outputs show."""
-    free = torch.cuda.mem_get_info()[0]
-    junk = torch.empty(min(free // 4, 8 << 30) // 4, dtype=torch.float32, device="cuda").fill_(float("nan"))
-    del junk
 
 
 def run_forward(inputs):
@@ -73,7 +25,7 @@ def run_forward(inputs):
 
 @pytest.mark.parametrize("with_initial_state", [True, False], ids=["h0", "no_h0"])
 @pytest.mark.parametrize("lengths", list(LENGTHS), ids=list(LENGTHS))
-@pytest.mark.parametrize("heads", HEAD_LAYOUTS, ids=[f"{a}_{b}" for a, b in HEAD_LAYOUTS])
+@pytest.mark.parametrize("heads", HEAD_LAYOUTS, ids=HEAD_IDS)
 def test_forward_matches_float64_reference(heads, lengths, with_initial_state):
     inputs = make_inputs(LENGTHS[lengths], *heads, with_initial_state, seed=heads[1] * 10 + list(LENGTHS).index(lengths))
     o, final_state = run_forward(inputs)

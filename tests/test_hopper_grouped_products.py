@@ -9,19 +9,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flashqla import reference
 from flashqla.testing import relative_error
+from hopper_grid import (HEAD_IDS, HEAD_LAYOUTS, LENGTHS, RAGGED, TOLERANCE, float64_reference, make_inputs,
+                         on_hopper, poison_allocator)
 
-HAS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-requires_hopper = pytest.mark.skipif(not HAS_HOPPER, reason="needs an SM90 (Hopper) GPU")
+requires_hopper = pytest.mark.skipif(not on_hopper, reason="needs an SM90 (Hopper) GPU")
 
-TOLERANCE = 2e-2
 # Both kernels store bf16 (relative rounding 2^-9); their products must sit well inside the forward's budget.
 PRODUCTS_TOLERANCE = 1e-2
-HEAD_LAYOUTS = [(16, 64), (16, 32), (16, 16), (8, 24), (2, 8)]
-# Ragged: partial chunks, an empty sequence, a one-token sequence, exact multiples of 64.
-RAGGED = [1000, 0, 64, 2047, 1, 129, 640]
-LENGTHS = {"1x4096": [4096], "ragged": RAGGED, "1x32768": [32768]}
 
 
 def _truncate_to_tf32(x: torch.Tensor) -> torch.Tensor:
@@ -103,35 +98,6 @@ def test_grouped_products_reject_groups_over_the_limit():
         gated_products(q, q, gamma, beta, 1.0, torch.tensor([0, 64], dtype=torch.int32), chunk_index, grouped=True)
 
 
-def make_inputs(seq_lens, num_qk_heads, num_v_heads, with_initial_state=False, seed=0):
-    """Anchors-like inputs on the GPU; a quarter of the heads never decay, a quarter decay 16x faster."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    total = sum(seq_lens)
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=gen, device="cuda", dtype=torch.float32)
-
-    q = F.normalize(randn(1, total, num_qk_heads, 128), dim=-1).to(torch.bfloat16)
-    k = F.normalize(randn(1, total, num_qk_heads, 128), dim=-1).to(torch.bfloat16)
-    v = randn(1, total, num_v_heads, 128).to(torch.bfloat16)
-    g = F.logsigmoid(randn(1, total, num_v_heads)) / 16
-    if num_v_heads >= 4:
-        quarter = num_v_heads // 4
-        g[..., :quarter] = 0.0
-        g[..., quarter:2 * quarter] *= 16
-    beta = torch.rand(1, total, num_v_heads, generator=gen, device="cuda").sigmoid()
-    cu_seqlens = torch.tensor([0, *seq_lens], device="cuda").cumsum(0).to(torch.int32)
-    h0 = randn(len(seq_lens), num_v_heads, 128, 128) if with_initial_state else None
-    return dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=h0, cu_seqlens=cu_seqlens)
-
-
-def poison_allocator():
-    """Fill the caching allocator's free blocks with NaN so unwritten outputs show."""
-    free = torch.cuda.mem_get_info()[0]
-    junk = torch.empty(min(free // 4, 8 << 30) // 4, dtype=torch.float32, device="cuda").fill_(float("nan"))
-    del junk
-
-
 def products_inputs(inputs):
     """The flattened arguments of inverse.gated_products, as hopper.forward builds them."""
     from flashqla.hopper.chunk_plan import chunk_indices
@@ -192,7 +158,7 @@ def float64_products(args):
 @pytest.mark.gpu
 @requires_hopper
 @pytest.mark.parametrize("lengths", list(LENGTHS), ids=list(LENGTHS))
-@pytest.mark.parametrize("heads", HEAD_LAYOUTS, ids=[f"{a}_{b}" for a, b in HEAD_LAYOUTS])
+@pytest.mark.parametrize("heads", HEAD_LAYOUTS, ids=HEAD_IDS)
 def test_grouped_products_match_float64_and_current_kernel(heads, lengths):
     args = products_inputs(make_inputs(LENGTHS[lengths], *heads, seed=heads[1] * 10 + list(LENGTHS).index(lengths)))
     current = run_products(args, grouped=False)
@@ -242,7 +208,7 @@ def test_grouped_products_are_bitwise_deterministic(heads):
 @pytest.mark.gpu
 @requires_hopper
 @pytest.mark.parametrize("lengths", list(LENGTHS), ids=list(LENGTHS))
-@pytest.mark.parametrize("heads", HEAD_LAYOUTS, ids=[f"{a}_{b}" for a, b in HEAD_LAYOUTS])
+@pytest.mark.parametrize("heads", HEAD_LAYOUTS, ids=HEAD_IDS)
 def test_forward_with_grouped_products_matches_float64_reference(monkeypatch, heads, lengths, with_initial_state):
     """The whole Hopper forward with the candidate in place of the current products kernel."""
     from flashqla import hopper
@@ -263,12 +229,7 @@ def test_forward_with_grouped_products_matches_float64_reference(monkeypatch, he
     torch.cuda.synchronize()
     assert calls, "hopper.forward no longer calls the module-level gated_products: patch the new call site"
     assert torch.isfinite(o).all() and torch.isfinite(final_state).all()
-    args = {name: (x.double() if x is not None and x.is_floating_point() else x) for name, x in inputs.items()}
-    # The token loop is the ground truth; for 32k tokens the chunked float64 form keeps the test quick.
-    short = sum(LENGTHS[lengths]) <= 8192
-    fn = reference.recurrent_gated_delta_rule if short else reference.chunk_gated_delta_rule_torch
-    ref_o, ref_state = fn(args["q"], args["k"], args["v"], args["g"], args["beta"], initial_state=args["initial_state"],
-                          output_final_state=True, cu_seqlens=args["cu_seqlens"])
+    ref_o, ref_state = float64_reference(inputs)
     err_o, err_state = relative_error(o, ref_o), relative_error(final_state, ref_state)
     assert err_o <= TOLERANCE, f"o relative L2 error {err_o:.3e}"
     assert err_state <= TOLERANCE, f"final state relative L2 error {err_state:.3e}"
@@ -276,7 +237,7 @@ def test_forward_with_grouped_products_matches_float64_reference(monkeypatch, he
 
 @pytest.mark.gpu
 @requires_hopper
-@pytest.mark.parametrize("heads", HEAD_LAYOUTS, ids=[f"{a}_{b}" for a, b in HEAD_LAYOUTS])
+@pytest.mark.parametrize("heads", HEAD_LAYOUTS, ids=HEAD_IDS)
 def test_grouped_products_time_against_current(heads):
     """Prints do_bench medians on 1x32768: the current kernel, the candidate at its default register
     cap (4 CTAs per SM) and at 3; fails when the default candidate is not faster than the current kernel."""
