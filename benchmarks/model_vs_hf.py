@@ -1,12 +1,13 @@
 """Step time and peak memory of one forward+backward of ours against HF's Qwen3_5ForCausalLM.
 
-    python -m qwen_hybrid.benchmark '[{"size": "0.8B", "tokens": 32768, "docs": 4, "backend": "fla"},
-                                      {"impl": "hf", "size": "0.8B", "tokens": 16384}]'
+    python -m benchmarks.model_vs_hf '[{"size": "0.8B", "tokens": 32768, "docs": 4, "backend": "fla"},
+                                        {"impl": "hf", "size": "0.8B", "tokens": 16384}]'
 
 A case: impl ("ours" | "hf"), size (a named size), tokens, docs (equal documents packed with
 cu_seqlens; HF gets one unpacked sequence), backend (GDN), ckpt (activation checkpointing),
 steps. Random bf16 weights on the current CUDA device; each result is printed and appended as a
 JSON line to $OUT/bench.jsonl when OUT is set. The first step includes kernel compilation.
+Run from the repository root.
 """
 from __future__ import annotations
 
