@@ -18,6 +18,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from qwen_hybrid.config import QwenHybridConfig
+
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -108,9 +110,19 @@ def load_state_dict(
 
 
 def save(
-    path: str | os.PathLike, hf_config: dict, state: dict[str, torch.Tensor], max_shard_bytes: int = 5 * 1024**3
+    path: str | os.PathLike,
+    config: QwenHybridConfig,
+    state: dict[str, torch.Tensor],
+    max_shard_bytes: int = 5 * 1024**3,
 ) -> None:
-    """Write config.json and safetensors (sharded with an index past max_shard_bytes), HF's layout."""
+    """Write the full (unsharded) `state` and `config` as HF's config.json and safetensors (sharded
+    with an index past max_shard_bytes). A tied `lm_head.weight` is left out, as HF saves it;
+    config.json's dtype is the embedding's."""
+    state = dict(state)
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    hf_config = config.to_hf()
+    hf_config["dtype"] = str(state["model.embed_tokens.weight"].dtype).removeprefix("torch.")
     directory = Path(path)
     directory.mkdir(parents=True, exist_ok=True)
     shards: list[dict[str, torch.Tensor]] = [{}]

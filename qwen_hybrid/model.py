@@ -146,12 +146,7 @@ class QwenHybridForCausalLM(nn.Module):
                 f"save_pretrained: this model is tensor-parallel sharded (tp = {self.tensor_parallel_plan.tp_size}); "
                 "use qwen_hybrid.parallel.save_hf_checkpoint(model, groups, path), which gathers the shards"
             )
-        state = dict(self.state_dict())
-        if self.config.tie_word_embeddings:
-            state.pop("lm_head.weight", None)
-        hf_config = self.config.to_hf()
-        hf_config["dtype"] = str(self.model.embed_tokens.weight.dtype).removeprefix("torch.")
-        checkpoint_io.save(path, hf_config, state, max_shard_bytes=max_shard_bytes)
+        checkpoint_io.save(path, self.config, self.state_dict(), max_shard_bytes=max_shard_bytes)
 
 
 def shift_labels(labels: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:

@@ -74,8 +74,4 @@ def save_hf_checkpoint(
     state = gather_full_state_dict(model, groups)
     if groups.tp_rank != 0:
         return
-    if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    hf_config = model.config.to_hf()
-    hf_config["dtype"] = str(model.model.embed_tokens.weight.dtype).removeprefix("torch.")
-    checkpoint_io.save(path, hf_config, state, max_shard_bytes=max_shard_bytes)
+    checkpoint_io.save(path, model.config, state, max_shard_bytes=max_shard_bytes)

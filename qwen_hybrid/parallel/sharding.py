@@ -342,7 +342,7 @@ def gather_full_state_dict(
 ) -> dict[str, torch.Tensor]:
     """The unsharded state dict (our = HF names), assembled on the first rank of the tensor-parallel
     group (on `device`); the other ranks take part and get {}. Collective over the group.
-    Feed it to `checkpoint_io.save` with `model.config.to_hf()` to write an HF checkpoint."""
+    Feed it to `checkpoint_io.save` with `model.config` to write an HF checkpoint."""
     plan = getattr(model, "tensor_parallel_plan", None)
     if plan is None:
         return {name: tensor.detach().to(device) for name, tensor in model.state_dict().items()}
