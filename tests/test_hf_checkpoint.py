@@ -7,14 +7,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from flashqla.testing import relative_error
 from qwen_hybrid import QwenHybridConfig, QwenHybridForCausalLM
 from qwen_hybrid.checkpoint_io import INDEX_FILE
 
 from model_fixtures import VOCAB_SIZE, make_tiny_hf_model, tiny_hf_checkpoint, tiny_hf_config, transformers  # noqa: F401
-
-
-def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual.double() - expected.double()).norm() / expected.double().norm().clamp(min=1e-30)).item()
 
 
 def random_ids(batch: int, length: int, seed: int = 1) -> torch.Tensor:

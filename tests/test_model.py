@@ -5,14 +5,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from flashqla.testing import relative_error
 from qwen_hybrid import QwenHybridConfig, QwenHybridForCausalLM
 from qwen_hybrid.config import NAMED_SIZES
 from qwen_hybrid.layers import AttentionCore, CausalConv1d, GatedDeltaRule
 from qwen_hybrid.loss import chunked_cross_entropy
-
-
-def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual.double() - expected.double()).norm() / expected.double().norm().clamp(min=1e-30)).item()
 
 
 def tiny_model(seed: int = 0, **overrides) -> QwenHybridForCausalLM:
