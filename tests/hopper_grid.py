@@ -1,5 +1,6 @@
-"""What the Hopper kernel tests (tests/test_hopper_*.py) share: the grid of the issue, GPU inputs,
-the float64 forward they are measured against, and NaN poisoning of free memory."""
+"""What the Hopper kernel tests (tests/test_hopper_*.py) share: the grid of head layouts and
+lengths, GPU inputs, the float64 forward they are measured against, and NaN poisoning of free
+memory."""
 import torch
 import torch.nn.functional as F
 

@@ -1,7 +1,7 @@
 """Tests of the TileLang backward (flashqla/hopper/backward.py).
 
 GPU tests compare every gradient with autograd through the float64 chunked reference
-(itself checked against the token recurrence in tests/test_reference.py) over the issue's grid.
+(itself checked against the token recurrence in tests/test_reference.py) over the grid of tests/hopper_grid.py.
 """
 import pytest
 import torch

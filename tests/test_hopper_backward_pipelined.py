@@ -161,7 +161,7 @@ def run_full_backward(inputs, do, dht, pipelined):
 @pytest.mark.parametrize("lengths", list(LENGTHS), ids=list(LENGTHS))
 @pytest.mark.parametrize("heads", HEAD_LAYOUTS, ids=HEAD_IDS)
 def test_pipelined_backward_matches_reference_and_current(heads, lengths, with_initial_state):
-    """The issue's grid: float64 reference within the budget, and close to the current kernel."""
+    """The whole grid: float64 reference within the budget, and close to the current kernel."""
     inputs, do, dht = make_inputs(LENGTHS[lengths], *heads, with_initial_state)
     candidate = run_full_backward(inputs, do, dht, pipelined=True)
     current = run_full_backward(inputs, do, dht, pipelined=False)
