@@ -109,6 +109,25 @@ def load_state_dict(
     return state
 
 
+def load_into(
+    model: torch.nn.Module,
+    path: str | os.PathLike,
+    expected_shapes: dict[str, tuple[int, ...]],
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+    read: Callable[[str, Any], torch.Tensor] | None = None,
+) -> None:
+    """Assign the checkpoint's tensors to `model` (built on the meta device), reading as
+    `load_state_dict` does. A tied lm_head is not read: it is tied to the embedding again."""
+    tied = model.config.tie_word_embeddings
+    if tied:
+        expected_shapes = {name: shape for name, shape in expected_shapes.items() if name != "lm_head.weight"}
+    state = load_state_dict(path, expected_shapes, dtype, device, read=read)
+    model.load_state_dict(state, strict=False, assign=True)
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+
+
 def save(
     path: str | os.PathLike,
     config: QwenHybridConfig,

@@ -130,12 +130,7 @@ class QwenHybridForCausalLM(nn.Module):
         with torch.device("meta"):
             model = cls(config)
         expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-        if config.tie_word_embeddings:
-            expected.pop("lm_head.weight")
-        state = checkpoint_io.load_state_dict(path, expected, dtype=dtype, device=device)
-        model.load_state_dict(state, strict=False, assign=True)
-        if config.tie_word_embeddings:
-            model.lm_head.weight = model.model.embed_tokens.weight
+        checkpoint_io.load_into(model, path, expected, dtype=dtype, device=device)
         return model
 
     def save_pretrained(self, path: str | os.PathLike, max_shard_bytes: int = 5 * 1024**3) -> None:

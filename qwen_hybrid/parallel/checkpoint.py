@@ -39,8 +39,6 @@ def load_sharded_hf_checkpoint(
         model = QwenHybridForCausalLM(config)
     full_shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     cut_to_local_shards(model, plan, groups)
-    if config.tie_word_embeddings:
-        full_shapes.pop("lm_head.weight", None)
 
     def read_local_part(name: str, stored) -> torch.Tensor:
         shard = plan.shards.get(name)
@@ -49,10 +47,7 @@ def load_sharded_hf_checkpoint(
         leading = (slice(None),) * shard.dim
         return torch.cat([stored[leading + (slice(start, end),)] for start, end in shard.pieces], dim=shard.dim)
 
-    state = checkpoint_io.load_state_dict(path, full_shapes, dtype, device, read=read_local_part)
-    model.load_state_dict(state, strict=False, assign=True)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
+    checkpoint_io.load_into(model, path, full_shapes, dtype, device, read=read_local_part)
     attach_tensor_parallel(model, plan, groups)
     return model
 
