@@ -145,10 +145,20 @@ def compile_fla_tilelang(head_layouts) -> None:
     # chunk_bwd.py's imports of triton and fla are used only when FLA calls it; the builder needs none.
     stand_ins = {"triton": {}, "fla": {}, "fla.ops": {}, "fla.ops.utils": {"prepare_chunk_indices": None},
                  "fla.utils": {"check_shared_mem": None}}
+    saved = {name: sys.modules.get(name) for name in stand_ins}
     for name, attrs in stand_ins.items():
-        sys.modules.setdefault(name, types.ModuleType(name)).__dict__.update(attrs)
+        sys.modules[name] = types.ModuleType(name)
+        sys.modules[name].__dict__.update(attrs)
     namespace = {"__name__": "fla.ops.common.backends.tilelang.chunk_bwd"}
-    exec(compile(path.read_text(), str(path), "exec", dont_inherit=True), namespace)  # not our __future__ flags
+    try:
+        exec(compile(path.read_text(), str(path), "exec", dont_inherit=True), namespace)  # not our __future__ flags
+    finally:
+        # a stand-in triton left in sys.modules breaks torch.compile's import (FlashQLA uses it)
+        for name, module in saved.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
     build = namespace["_build_chunk_bwd_dqkwg_kernel"]
 
     from tvm.target import Target
@@ -213,9 +223,12 @@ def main(argv=None) -> None:
         compile_flashqla(shapes)
     if args.out:
         out = Path(args.out).resolve()
-        # setup.sh unpacks the tarball into /tmp and expects the folder tlcache
-        subprocess.run(["tar", "-czf", str(out), "-C", str(cache_dir.parent),
-                        f"--transform=s,^{cache_dir.name},tlcache,", cache_dir.name], check=True)
+        # setup.sh unpacks the tarball into /tmp and expects the folder tlcache. cuda-binaries (nvcc
+        # output keyed by CUDA source, used only when a kernel's own key misses) would add ~70% for
+        # no hit: leave it out to keep the carry under 64 MiB.
+        subprocess.run(["tar", "-czf", str(out), "-C", str(cache_dir.parent), "--exclude=cuda-binaries",
+                        "--exclude=.staging", f"--transform=s,^{cache_dir.name},tlcache,", cache_dir.name],
+                       check=True)
         print(f"{out}: {out.stat().st_size / 2**20:.1f} MiB")
 
 
