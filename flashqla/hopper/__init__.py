@@ -3,7 +3,7 @@
 `forward` is the entry the public op calls with validated inputs (q, k already L2-normalised
 when asked). Kernel files: cumsum.py (chunk-local cumsum of g), inverse.py (gate-free inverse per
 chunk, and the gated products the fused kernel reads), fused_forward.py (o and final state),
-chunk_states.py (state-only X/Y recurrence), chunk_plan.py (pieces, V split).
+chunk_states.py (state-only X/Y recurrence), chunk_plan.py (pieces, V split; plans cached by cu_seqlens).
 """
 
 import torch
