@@ -11,7 +11,7 @@
 #   train-128k-fla      launch/benchmark.sh 0.8B 131072 fla
 #   train-2b            launch/benchmark.sh 2B 131072 tilelang (memory at 128k)
 #   train               the four train parts above
-#   tp2                 (2 GPUs) the NCCL tensor-parallel test, then TP=2 SP=1 launch/benchmark.sh 0.8B
+#   tp2                 (2 GPUs) the tensor-parallel GPU tests (NCCL), then TP=2 SP=1 launch/benchmark.sh 0.8B
 #                       131072 tilelang (TP2_OVERRIDES: extra Hydra overrides)
 #   tp2-8k              (2 GPUs) TP=2 launch/benchmark.sh 0.8B 8192 tilelang
 # Writes under $OUT: summary.txt, logs.tgz (every step's log and metrics), bench.json (bench),
@@ -86,8 +86,9 @@ run_part() {
         for part in train-8k train-128k-tilelang train-128k-fla train-2b; do run_part $part; done
         ;;
     tp2)
-        step pytest-tp2-nccl 240 60 "$PYTHON" -m pytest -q -rfE -p no:cacheprovider --timeout=200 \
-            "tests/test_tensor_parallel.py::test_tp2_on_two_gpus_over_nccl_matches_unsharded"
+        # every GPU test that needs two devices (today test_tp2_on_two_gpus_over_nccl_matches_unsharded)
+        step pytest-tp2-nccl 240 60 "$PYTHON" -m pytest -m gpu -q -rfE -p no:cacheprovider --timeout=200 \
+            tests/test_tensor_parallel.py tests/test_train_tensor_parallel.py
         step train-0.8B-128k-tp2sp "${TRAIN_TIMEOUT_S:-240}" 150 env OUT="$LOGS" TP=2 SP=1 \
             launch/benchmark.sh 0.8B 131072 tilelang ${TP2_OVERRIDES:-}
         ;;
