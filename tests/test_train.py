@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,9 +16,8 @@ from hydra import compose, initialize_config_dir
 from train.checkpoint import find_resume_point
 from train.config import ConfigError, deepspeed_config, validate_config
 from train.schedule import lr_multiplier
+from train_runs import PRETRAIN, REPO, pretrain_env, run_command, smoke_overrides, step_records, torchrun_command
 
-REPO = Path(__file__).resolve().parents[1]
-PRETRAIN = str(REPO / "train" / "pretrain.py")
 STEP_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "peak_memory_gib"}
 KERNEL_KEYS = {f"time/{g}_{p}_s" for g in ("gdn", "attention") for p in ("fwd", "bwd", "recompute")} | {"time/rest_s"}
 
@@ -29,47 +27,12 @@ def workdir(tmp_path_factory):
     return tmp_path_factory.mktemp("train")
 
 
-def _env(workdir: Path) -> dict:
-    env = dict(os.environ)
-    wandb_dir = str(workdir / "wandb_home")
-    env.update(
-        WANDB_MODE="offline", WANDB_DIR=wandb_dir, WANDB_CONFIG_DIR=wandb_dir, WANDB_CACHE_DIR=wandb_dir,
-        WANDB_DATA_DIR=wandb_dir, WANDB_SILENT="true", PYTHONPATH=str(REPO), TOKENIZERS_PARALLELISM="false",
-    )
-    env.pop("FLASHQLA_BACKEND", None)
-    return env
-
-
-def _overrides(workdir: Path, run_dir: Path, *extra: str) -> list[str]:
-    return [
-        "experiment=cpu_smoke", f"run_dir={run_dir}", f"data.cache_dir={workdir / 'data_cache'}",
-        "data.embedded_documents=300", "train.tokens_per_micro_batch=512", "train.seq_len=256",
-        "train.warmup_steps=2", *extra,
-    ]
-
-
-def _torchrun(nproc: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-
-
-def _run(command: list[str], workdir: Path, timeout: int = 300) -> subprocess.CompletedProcess:
-    result = subprocess.run(command, cwd=REPO, env=_env(workdir), capture_output=True, text=True, timeout=timeout)
-    if result.returncode != 0:
-        print(result.stdout[-4000:], result.stderr[-8000:], sep="\n")
-    return result
-
-
-def _metrics(run_dir: Path) -> list[dict]:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in records if "loss" in r]
-
-
 @pytest.fixture(scope="module")
 def straight_run(workdir):
     """8 steps on 2 ranks, ZeRO-2, W&B offline, a checkpoint every 4 steps (keeping 1)."""
     run_dir = workdir / "straight"
-    result = _run(
-        _torchrun(2) + [PRETRAIN] + _overrides(
+    result = run_command(
+        torchrun_command(2) + [PRETRAIN] + smoke_overrides(
             workdir, run_dir, "train.steps=8", "train.checkpoint_every=4", "train.keep_checkpoints=1",
             "logger.mode=offline",
         ),
@@ -80,7 +43,7 @@ def straight_run(workdir):
 
 
 def test_two_ranks_zero2_train_and_log_every_step(straight_run):
-    records = _metrics(straight_run)
+    records = step_records(straight_run)
     assert [r["step"] for r in records] == list(range(1, 9))
     for record in records:
         assert STEP_KEYS <= record.keys()
@@ -115,15 +78,15 @@ def test_checkpoints_and_hf_export(straight_run):
 
 def test_init_from_the_exported_checkpoint_starts_where_training_ended(straight_run, workdir):
     run_dir = workdir / "init_from"
-    result = _run(
-        [sys.executable, PRETRAIN] + _overrides(
+    result = run_command(
+        [sys.executable, PRETRAIN] + smoke_overrides(
             workdir, run_dir, "train.steps=1", f"model.init_from={straight_run / 'hf_final'}", "train.lr=0",
             "logger.mode=disabled", "train.export_hf=false", "train.checkpoint_at_exit=false",
         ),
         workdir,
     )
     assert result.returncode == 0
-    assert _metrics(run_dir)[0]["loss"] < _metrics(straight_run)[0]["loss"] - 0.3
+    assert step_records(run_dir)[0]["loss"] < step_records(straight_run)[0]["loss"] - 0.3
     assert not (run_dir / "checkpoints").exists()
 
 
@@ -131,12 +94,12 @@ def test_zero3_trains_and_exports_gathered_weights(workdir):
     from qwen_hybrid import QwenHybridForCausalLM
 
     run_dir = workdir / "zero3"
-    result = _run(
-        _torchrun(2) + [PRETRAIN] + _overrides(workdir, run_dir, "train.steps=2", "deepspeed=zero3", "logger.mode=disabled"),
+    result = run_command(
+        torchrun_command(2) + [PRETRAIN] + smoke_overrides(workdir, run_dir, "train.steps=2", "deepspeed=zero3", "logger.mode=disabled"),
         workdir,
     )
     assert result.returncode == 0
-    assert [r["step"] for r in _metrics(run_dir)] == [1, 2]
+    assert [r["step"] for r in step_records(run_dir)] == [1, 2]
     model = QwenHybridForCausalLM.from_pretrained(run_dir / "hf_final")
     assert model.lm_head.weight.shape == (512, 64) and model.lm_head.weight.std() > 0.01
 
@@ -144,21 +107,21 @@ def test_zero3_trains_and_exports_gathered_weights(workdir):
 def test_stop_and_resume_reproduces_the_loss_trajectory(straight_run, workdir):
     run_dir = workdir / "resumed"
     port = 29500 + os.getpid() % 2000
-    first_half = _run(
+    first_half = run_command(
         [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(port), PRETRAIN]
-        + _overrides(workdir, run_dir, "train.steps=8", "train.stop_at_step=4", "logger.mode=disabled"),
+        + smoke_overrides(workdir, run_dir, "train.steps=8", "train.stop_at_step=4", "logger.mode=disabled"),
         workdir,
     )
     assert first_half.returncode == 0
-    assert [r["step"] for r in _metrics(run_dir)] == [1, 2, 3, 4]
+    assert [r["step"] for r in step_records(run_dir)] == [1, 2, 3, 4]
     assert not (run_dir / "hf_final").exists()
-    second_half = _run(
-        _torchrun(2) + [PRETRAIN] + _overrides(workdir, run_dir, "train.steps=8", f"train.resume={run_dir}",
+    second_half = run_command(
+        torchrun_command(2) + [PRETRAIN] + smoke_overrides(workdir, run_dir, "train.steps=8", f"train.resume={run_dir}",
                                                "logger.mode=disabled"),
         workdir,
     )
     assert second_half.returncode == 0
-    straight, resumed = _metrics(straight_run), _metrics(run_dir)
+    straight, resumed = step_records(straight_run), step_records(run_dir)
     assert [r["step"] for r in resumed] == list(range(1, 9))
     for a, b in zip(straight, resumed):
         assert (a["step"], a["loss"], a["lr"], a["grad_norm"]) == (b["step"], b["loss"], b["lr"], b["grad_norm"])
@@ -166,10 +129,10 @@ def test_stop_and_resume_reproduces_the_loss_trajectory(straight_run, workdir):
 
 def test_sigterm_saves_a_checkpoint_and_stops(workdir):
     run_dir = workdir / "sigterm"
-    command = [sys.executable, PRETRAIN] + _overrides(
+    command = [sys.executable, PRETRAIN] + smoke_overrides(
         workdir, run_dir, "train.steps=100000", "train.checkpoint_every=0", "logger.mode=disabled"
     )
-    process = subprocess.Popen(command, cwd=REPO, env=_env(workdir), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    process = subprocess.Popen(command, cwd=REPO, env=pretrain_env(workdir), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     deadline = time.time() + 240
     metrics_file = run_dir / "metrics.jsonl"
     while time.time() < deadline and process.poll() is None:
@@ -180,33 +143,33 @@ def test_sigterm_saves_a_checkpoint_and_stops(workdir):
     process.send_signal(signal.SIGTERM)
     output, _ = process.communicate(timeout=120)
     assert process.returncode == 128 + signal.SIGTERM, output.decode()[-4000:]
-    last_step = _metrics(run_dir)[-1]["step"]
+    last_step = step_records(run_dir)[-1]["step"]
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{last_step:08d}"
     point = find_resume_point("auto", str(run_dir))
     assert point.tag == f"step_{last_step:08d}"
     # a requeued job: same run_dir, train.resume=auto picks the checkpoint up
-    result = _run(
-        [sys.executable, PRETRAIN] + _overrides(
+    result = run_command(
+        [sys.executable, PRETRAIN] + smoke_overrides(
             workdir, run_dir, f"train.steps={last_step + 1}", "train.resume=auto", "logger.mode=disabled",
             "train.export_hf=false",
         ),
         workdir,
     )
     assert result.returncode == 0
-    assert [r["step"] for r in _metrics(run_dir)] == list(range(1, last_step + 2))
+    assert [r["step"] for r in step_records(run_dir)] == list(range(1, last_step + 2))
 
 
 def test_kernel_timing_and_backend_comparison(workdir):
     run_dir = workdir / "compare"
-    result = _run(
-        [sys.executable, PRETRAIN] + _overrides(
+    result = run_command(
+        [sys.executable, PRETRAIN] + smoke_overrides(
             workdir, run_dir, "train.steps=4", "benchmark.compare_backends=[torch,auto]", "benchmark.warmup_steps=0",
             "train.activation_checkpointing=true", "logger.mode=offline", "train.export_hf=false",
         ),
         workdir,
     )
     assert result.returncode == 0
-    records = _metrics(run_dir)
+    records = step_records(run_dir)
     assert [r["gdn_backend"] for r in records] == ["torch", "auto", "torch", "auto"]
     for record in records:
         assert KERNEL_KEYS <= record.keys()
@@ -236,7 +199,7 @@ def test_kernel_timing_and_backend_comparison(workdir):
 )
 def test_bad_override_fails_at_start_naming_the_key(workdir, override, message):
     result = subprocess.run(
-        [sys.executable, PRETRAIN, override], cwd=REPO, env=_env(workdir), capture_output=True, text=True, timeout=120
+        [sys.executable, PRETRAIN, override], cwd=REPO, env=pretrain_env(workdir), capture_output=True, text=True, timeout=120
     )
     assert result.returncode != 0
     assert message in result.stderr

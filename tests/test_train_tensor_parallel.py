@@ -9,8 +9,8 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from test_train import PRETRAIN, REPO, _env, _metrics, _overrides, _run, _torchrun
 from train.config import ConfigError
+from train_runs import PRETRAIN, REPO, pretrain_env, run_command, smoke_overrides, step_records, torchrun_command
 
 STEPS = 6
 # float32 on CPU: the sharded matmuls and the all-reduces only reorder sums
@@ -24,13 +24,13 @@ def workdir(tmp_path_factory):
 
 
 def _common(workdir, run_dir, *extra):
-    return _overrides(workdir, run_dir, f"train.steps={STEPS}", "logger.mode=disabled", *extra)
+    return smoke_overrides(workdir, run_dir, f"train.steps={STEPS}", "logger.mode=disabled", *extra)
 
 
 @pytest.fixture(scope="module")
 def single_rank_run(workdir):
     run_dir = workdir / "tp1"
-    result = _run([sys.executable, PRETRAIN] + _common(workdir, run_dir), workdir)
+    result = run_command([sys.executable, PRETRAIN] + _common(workdir, run_dir), workdir)
     assert result.returncode == 0
     return run_dir
 
@@ -39,17 +39,17 @@ def single_rank_run(workdir):
 def tp2_resumed_run(workdir):
     """tp=2 stopped after step 3 (checkpoint at exit), then resumed to the end in new processes."""
     run_dir = workdir / "tp2_resumed"
-    first_half = _run(
-        _torchrun(2) + [PRETRAIN] + _common(workdir, run_dir, "parallel.tp=2", "train.stop_at_step=3"), workdir
+    first_half = run_command(
+        torchrun_command(2) + [PRETRAIN] + _common(workdir, run_dir, "parallel.tp=2", "train.stop_at_step=3"), workdir
     )
     assert first_half.returncode == 0
-    assert [r["step"] for r in _metrics(run_dir)] == [1, 2, 3]
+    assert [r["step"] for r in step_records(run_dir)] == [1, 2, 3]
     checkpoint = run_dir / "checkpoints" / "step_00000003"
     # DeepSpeed keeps one model file per tensor-parallel rank when given the groups as its mpu
     assert {"mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"} <= {p.name for p in checkpoint.iterdir()}
     assert not (run_dir / "hf_final").exists()
-    second_half = _run(
-        _torchrun(2) + [PRETRAIN] + _common(workdir, run_dir, "parallel.tp=2", f"train.resume={run_dir}"), workdir
+    second_half = run_command(
+        torchrun_command(2) + [PRETRAIN] + _common(workdir, run_dir, "parallel.tp=2", f"train.resume={run_dir}"), workdir
     )
     assert second_half.returncode == 0
     return run_dir
@@ -58,8 +58,8 @@ def tp2_resumed_run(workdir):
 @pytest.fixture(scope="module")
 def tp2_sequence_parallel_zero3_run(workdir):
     run_dir = workdir / "tp2_sp_zero3"
-    result = _run(
-        _torchrun(2) + [PRETRAIN] + _common(
+    result = run_command(
+        torchrun_command(2) + [PRETRAIN] + _common(
             workdir, run_dir, "parallel.tp=2", "parallel.sequence_parallel=true", "deepspeed=zero3"
         ),
         workdir,
@@ -69,7 +69,7 @@ def tp2_sequence_parallel_zero3_run(workdir):
 
 
 def _assert_same_trajectory(reference_run, run):
-    reference, records = _metrics(reference_run), _metrics(run)
+    reference, records = step_records(reference_run), step_records(run)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     for expected, seen in zip(reference, records):
         step = expected["step"]
@@ -113,7 +113,7 @@ def test_tp2_sequence_parallel_zero3_follows_the_single_rank_trajectory(single_r
 def test_tp_that_does_not_divide_the_world_fails_at_start(workdir):
     result = subprocess.run(
         [sys.executable, PRETRAIN] + _common(workdir, workdir / "bad_tp", "parallel.tp=2"),
-        cwd=REPO, env=_env(workdir), capture_output=True, text=True, timeout=120,
+        cwd=REPO, env=pretrain_env(workdir), capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 2
     assert "config error: parallel.tp=2: expected a divisor of the world size 1" in result.stderr
