@@ -1,10 +1,11 @@
 """What the Hopper kernel tests (tests/test_hopper_*.py) share: the grid of head layouts and
-lengths, GPU inputs, the float64 forward they are measured against, and NaN poisoning of free
-memory."""
+lengths, GPU inputs, the float64 forward and gradients they are measured against, and NaN
+poisoning of free memory."""
 import torch
 import torch.nn.functional as F
 
 from flashqla import reference
+from flashqla.testing import relative_error
 
 on_hopper = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
@@ -15,6 +16,7 @@ HEAD_IDS = [f"{a}_{b}" for a, b in HEAD_LAYOUTS]
 RAGGED = [1000, 0, 64, 2047, 1, 129, 640]
 LENGTHS = {"1x4096": [4096], "ragged": RAGGED, "1x32768": [32768]}
 DECAYS = ("mixed", "strong", "still")
+GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
 
 
 def make_inputs(seq_lens, num_qk_heads, num_v_heads, with_initial_state=False, dtype=torch.bfloat16, seed=0,
@@ -54,6 +56,13 @@ def make_inputs(seq_lens, num_qk_heads, num_v_heads, with_initial_state=False, d
     return inputs, do, dht
 
 
+def make_backward_inputs(seq_lens, num_qk_heads, num_v_heads, with_initial_state, seed=0, strong_decay=False):
+    """(inputs, do, dht) for the backward tests: bf16 q/k/v, float32 g/beta/h0. A quarter of the
+    heads never decay (g = 0); with strong_decay another quarter draws g down to -20 per token."""
+    return make_inputs(seq_lens, num_qk_heads, num_v_heads, with_initial_state, seed=seed,
+                       decay="strong" if strong_decay else "still", with_output_grads=True)
+
+
 def float64_reference(inputs):
     """(o, final_state) of `inputs` in float64."""
     args = {name: (x.double() if x is not None and x.is_floating_point() else x) for name, x in inputs.items()}
@@ -70,3 +79,22 @@ def poison_allocator():
     free = torch.cuda.mem_get_info()[0]
     junk = torch.empty(min(free // 4, 8 << 30) // 4, dtype=torch.float32, device="cuda").fill_(float("nan"))
     del junk
+
+
+def float64_gradients(inputs, do, dht):
+    """(dq, dk, dv, dg, dbeta, dh0) by autograd through the float64 chunked reference."""
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+    args = {n: x.double().requires_grad_() for n, x in inputs.items() if n in names and x is not None}
+    if "initial_state" not in args:
+        args["initial_state"] = torch.zeros_like(dht, dtype=torch.float64).requires_grad_()
+    o, final_state = reference.chunk_gated_delta_rule_torch(
+        args["q"], args["k"], args["v"], args["g"], args["beta"], initial_state=args["initial_state"],
+        output_final_state=True, cu_seqlens=inputs["cu_seqlens"])
+    loss = (o * do.double()).sum() + (final_state * dht.double()).sum()
+    return torch.autograd.grad(loss, [args[n] for n in names])
+
+
+def assert_close_to_reference(ours, ref):
+    """Every gradient of `ours` within TOLERANCE (relative L2) of `ref`, in GRAD_NAMES order."""
+    errors = {name: relative_error(x, r) for name, x, r in zip(GRAD_NAMES, ours, ref)}
+    assert all(err <= TOLERANCE for err in errors.values()), errors

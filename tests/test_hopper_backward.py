@@ -1,37 +1,15 @@
 """Tests of the TileLang backward (flashqla/hopper/backward.py).
 
-GPU tests compare every gradient with autograd through the float64 chunked reference
-(itself checked against the token recurrence in tests/test_reference.py) over the grid of tests/hopper_grid.py.
+GPU tests compare every gradient with autograd through the float64 chunked reference (itself
+checked against the token recurrence in tests/test_reference.py) over the grid of
+tests/hopper_grid.py.
 """
 import pytest
 import torch
 
-from flashqla import reference
 from flashqla.testing import relative_error
-from hopper_grid import HEAD_IDS, HEAD_LAYOUTS, LENGTHS, RAGGED, TOLERANCE, on_hopper, poison_allocator
-from hopper_grid import make_inputs as make_grid_inputs
-
-GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
-
-
-def make_inputs(seq_lens, num_qk_heads, num_v_heads, with_initial_state, seed=0, strong_decay=False):
-    """(inputs, do, dht): bf16 q/k/v, float32 g/beta/h0 on the GPU. A quarter of the heads never
-    decay (g = 0); with strong_decay another quarter draws g down to -20 per token."""
-    return make_grid_inputs(seq_lens, num_qk_heads, num_v_heads, with_initial_state, seed=seed,
-                            decay="strong" if strong_decay else "still", with_output_grads=True)
-
-
-def float64_gradients(inputs, do, dht):
-    """(dq, dk, dv, dg, dbeta, dh0) by autograd through the float64 chunked reference."""
-    names = ("q", "k", "v", "g", "beta", "initial_state")
-    args = {n: x.double().requires_grad_() for n, x in inputs.items() if n in names and x is not None}
-    if "initial_state" not in args:
-        args["initial_state"] = torch.zeros_like(dht, dtype=torch.float64).requires_grad_()
-    o, final_state = reference.chunk_gated_delta_rule_torch(
-        args["q"], args["k"], args["v"], args["g"], args["beta"], initial_state=args["initial_state"],
-        output_final_state=True, cu_seqlens=inputs["cu_seqlens"])
-    loss = (o * do.double()).sum() + (final_state * dht.double()).sum()
-    return torch.autograd.grad(loss, [args[n] for n in names])
+from hopper_grid import (GRAD_NAMES, HEAD_IDS, HEAD_LAYOUTS, LENGTHS, RAGGED, TOLERANCE, assert_close_to_reference,
+                         float64_gradients, make_backward_inputs, on_hopper, poison_allocator)
 
 
 def run_backward(inputs, do, dht):
@@ -43,18 +21,13 @@ def run_backward(inputs, do, dht):
                     inputs["initial_state"], inputs["cu_seqlens"], do, dht)
 
 
-def assert_close_to_reference(ours, ref):
-    errors = {name: relative_error(x, r) for name, x, r in zip(GRAD_NAMES, ours, ref)}
-    assert all(err <= TOLERANCE for err in errors.values()), errors
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not on_hopper, reason="needs an SM90 (Hopper) GPU")
 @pytest.mark.parametrize("with_initial_state", [True, False], ids=["h0", "no_h0"])
 @pytest.mark.parametrize("lengths", list(LENGTHS), ids=list(LENGTHS))
 @pytest.mark.parametrize("heads", HEAD_LAYOUTS, ids=HEAD_IDS)
 def test_backward_matches_float64_reference(heads, lengths, with_initial_state):
-    inputs, do, dht = make_inputs(LENGTHS[lengths], *heads, with_initial_state)
+    inputs, do, dht = make_backward_inputs(LENGTHS[lengths], *heads, with_initial_state)
     ours = run_backward(inputs, do, dht)
     assert tuple(ours[0].shape) == tuple(inputs["q"].shape) and ours[0].dtype == torch.bfloat16
     assert ours[3].dtype == torch.float32 and ours[5].dtype == torch.float32
@@ -67,7 +40,7 @@ def test_backward_matches_float64_reference(heads, lengths, with_initial_state):
 @pytest.mark.parametrize("heads", [(16, 64), (2, 8)], ids=["16_64", "2_8"])
 def test_backward_strong_decay(heads, lengths):
     """A quarter of the heads with g = 0, a quarter with g down to -20 per token."""
-    inputs, do, dht = make_inputs(LENGTHS[lengths], *heads, True, strong_decay=True)
+    inputs, do, dht = make_backward_inputs(LENGTHS[lengths], *heads, True, strong_decay=True)
     assert_close_to_reference(run_backward(inputs, do, dht), float64_gradients(inputs, do, dht))
 
 
@@ -75,7 +48,7 @@ def test_backward_strong_decay(heads, lengths):
 @pytest.mark.skipif(not on_hopper, reason="needs an SM90 (Hopper) GPU")
 @pytest.mark.parametrize("heads", [(16, 64), (2, 8)], ids=["16_64", "2_8"])
 def test_backward_is_bitwise_deterministic(heads):
-    inputs, do, dht = make_inputs(RAGGED, *heads, True)
+    inputs, do, dht = make_backward_inputs(RAGGED, *heads, True)
     first = run_backward(inputs, do, dht)
     second = run_backward(inputs, do, dht)
     for name, a, b in zip(GRAD_NAMES, first, second):
@@ -90,7 +63,7 @@ def test_autograd_end_to_end_with_checkpointing_and_views():
     import flashqla
     from torch.utils.checkpoint import checkpoint
 
-    inputs, do, dht = make_inputs(RAGGED, 2, 8, True)
+    inputs, do, dht = make_backward_inputs(RAGGED, 2, 8, True)
     # Non-contiguous views: heads interleaved in a wider tensor.
     wide = torch.cat([inputs["q"], inputs["k"]], dim=2)
     leaves = {

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from flashqla.testing import relative_error
-from hopper_grid import HEAD_IDS, HEAD_LAYOUTS, LENGTHS, RAGGED, on_hopper, poison_allocator
-from test_hopper_backward import GRAD_NAMES, assert_close_to_reference, float64_gradients, make_inputs
+from hopper_grid import (GRAD_NAMES, HEAD_IDS, HEAD_LAYOUTS, LENGTHS, RAGGED, assert_close_to_reference,
+                         float64_gradients, make_backward_inputs, on_hopper, poison_allocator)
 
 # Candidate against the current kernel on the same inputs: both round the same products to bf16,
 # but sum in different orders (and dK's diag(beta) dL term goes through two products).
@@ -123,7 +123,7 @@ def kernel_inputs(seq_lens, num_qk_heads, num_v_heads, seed=0):
     from flashqla.hopper.cumsum import chunk_local_cumsum
     from flashqla.hopper.inverse import gate_free_inverse
 
-    inputs, do, _ = make_inputs(seq_lens, num_qk_heads, num_v_heads, False, seed=seed)
+    inputs, do, _ = make_backward_inputs(seq_lens, num_qk_heads, num_v_heads, False, seed=seed)
     total = sum(seq_lens)
     cu_seqlens = inputs["cu_seqlens"]
     chunk_index = chunk_indices(cu_seqlens)
@@ -162,7 +162,7 @@ def run_full_backward(inputs, do, dht, pipelined):
 @pytest.mark.parametrize("heads", HEAD_LAYOUTS, ids=HEAD_IDS)
 def test_pipelined_backward_matches_reference_and_current(heads, lengths, with_initial_state):
     """The whole grid: float64 reference within the budget, and close to the current kernel."""
-    inputs, do, dht = make_inputs(LENGTHS[lengths], *heads, with_initial_state)
+    inputs, do, dht = make_backward_inputs(LENGTHS[lengths], *heads, with_initial_state)
     candidate = run_full_backward(inputs, do, dht, pipelined=True)
     current = run_full_backward(inputs, do, dht, pipelined=False)
     assert_close_to_reference(candidate, float64_gradients(inputs, do, dht))
@@ -175,7 +175,7 @@ def test_pipelined_backward_matches_reference_and_current(heads, lengths, with_i
 @pytest.mark.parametrize("lengths", ["1x4096", "ragged"])
 @pytest.mark.parametrize("heads", [(16, 64), (2, 8)], ids=["16_64", "2_8"])
 def test_pipelined_backward_strong_decay(heads, lengths):
-    inputs, do, dht = make_inputs(LENGTHS[lengths], *heads, True, strong_decay=True)
+    inputs, do, dht = make_backward_inputs(LENGTHS[lengths], *heads, True, strong_decay=True)
     assert_close_to_reference(run_full_backward(inputs, do, dht, pipelined=True), float64_gradients(inputs, do, dht))
 
 
@@ -201,7 +201,7 @@ def test_pipelined_kernel_matches_current_kernel(heads, num_workers):
 @requires_hopper
 @pytest.mark.parametrize("heads", [(16, 64), (2, 8)], ids=["16_64", "2_8"])
 def test_pipelined_backward_is_bitwise_deterministic(heads):
-    inputs, do, dht = make_inputs(RAGGED, *heads, True)
+    inputs, do, dht = make_backward_inputs(RAGGED, *heads, True)
     first = run_full_backward(inputs, do, dht, pipelined=True)
     second = run_full_backward(inputs, do, dht, pipelined=True)
     for name, a, b in zip(GRAD_NAMES, first, second):
