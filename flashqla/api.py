@@ -95,16 +95,19 @@ class HopperGatedDeltaRule(torch.autograd.Function):
         )
         ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
         ctx.scale = scale
+        ctx.candidates = hopper.candidates.chosen()  # the backward runs the kernels this forward chose
         return o, final_state
 
     @staticmethod
     def backward(ctx, d_o, d_final_state):
+        from flashqla.hopper import candidates
         from flashqla.hopper.backward import backward
 
         q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
-        dq, dk, dv, dg, dbeta, dh0 = backward(
-            q, k, v, g, beta, ctx.scale, initial_state, cu_seqlens, d_o, d_final_state
-        )
+        with candidates.use(*ctx.candidates):
+            dq, dk, dv, dg, dbeta, dh0 = backward(
+                q, k, v, g, beta, ctx.scale, initial_state, cu_seqlens, d_o, d_final_state
+            )
         dh0 = dh0 if initial_state is not None else None
         return dq, dk, dv, dg, dbeta, None, dh0, None, None, None
 

@@ -13,8 +13,9 @@ Median of triton.testing.do_bench; forward under no_grad; backward = (forward + 
 Per shape it also records each library's first call (compile included: FlashQLA compiles about a
 dozen TileLang kernels per head layout, minutes without a carried TileLang cache) and the relative
 L2 distance of o and the final state from FLA's.
---breakdown adds our per-stage times (planning uncached and cached, cumsum, gated products, walk
-starts, fused walk). --time-budget starts no shape that would likely end past the budget; the
+--breakdown adds our per-stage times (planning uncached and cached, cumsum, gated products and their
+grouped candidate, walk starts, fused walk). --baselines ...,candidates adds a column for ours with
+every candidate kernel on (flashqla/hopper/candidates.py), so a switch is decided side by side. --time-budget starts no shape that would likely end past the budget; the
 JSON is rewritten after every shape, so a killed run keeps what it measured.
 """
 from __future__ import annotations
@@ -92,6 +93,13 @@ def implementations(baselines: list[str]) -> dict:
                 return flashqla_op(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"],
                                    output_final_state=True, cu_seqlens=x["cu_seqlens_long"])
             impls["flashqla"] = flashqla
+    if "candidates" in baselines:  # ours with every candidate kernel on (hopper/candidates.py), timed last
+        from flashqla.hopper import candidates
+
+        def ours_with_candidates(x):
+            with candidates.use(*candidates.NAMES):
+                return ours(x)
+        impls["candidates"] = ours_with_candidates
     return impls
 
 
@@ -120,7 +128,8 @@ def forward_breakdown(inputs: dict, rep_ms: int) -> dict:
         "plan_cached": lambda: plan_forward(cu, num_v_heads, 128, sm_count, hopper.MAX_VALUE_BLOCK,
                                             host_bounds=bounds),
         "cumsum": lambda: hopper.chunk_local_cumsum(g[None], cu, chunk_index=index),
-        "products": lambda: gated_products(q, k, gamma, beta, 128 ** -0.5, cu, index),
+        "products": lambda: gated_products(q, k, gamma, beta, 128 ** -0.5, cu, index, grouped=False),
+        "products_grouped": lambda: gated_products(q, k, gamma, beta, 128 ** -0.5, cu, index, grouped=True),
         "walk": lambda: walk_starts(plan.pieces, cu, gamma, -10.0, plan.max_walk_back, walk_index=plan.walk_index),
         "fused": lambda: hopper.fused_forward(q, k, v, gamma, gated_inverse, scores, 128 ** -0.5,
                                              inputs["initial_state"], cu, plan.value_block, plan.pieces, walk,
@@ -182,7 +191,8 @@ def main(argv=None) -> None:
     parser.add_argument("--bwd", action="store_true", help="also time the backward through autograd")
     parser.add_argument("--json", default=None, help="write all timings to this JSON file (after every shape)")
     parser.add_argument("--shapes", default="", help="comma-separated substrings; run only matching shape names")
-    parser.add_argument("--baselines", default="fla,flashqla", help="comma-separated: fla, flashqla")
+    parser.add_argument("--baselines", default="fla,flashqla",
+                        help="comma-separated: fla, flashqla, candidates (ours with the candidate kernels on)")
     parser.add_argument("--breakdown", action="store_true", help="also time each stage of our forward")
     parser.add_argument("--rep", type=int, default=200, help="do_bench repetition time per measurement, ms")
     parser.add_argument("--time-budget", type=float, default=None,

@@ -40,12 +40,15 @@ def test_chunk_bounds_of_ragged_batch():
     assert bounds.tolist() == [[0, 64], [64, 36], [100, 64], [164, 1]]
 
 
-def test_backward_defaults_to_the_verified_kernel():
+def test_backward_defaults_to_the_verified_kernel(monkeypatch):
     import inspect
 
+    from flashqla.hopper import candidates
     from flashqla.hopper.backward import backward
 
-    assert inspect.signature(backward).parameters["pipelined"].default is False
+    monkeypatch.delenv(candidates.ENV_VAR, raising=False)
+    assert inspect.signature(backward).parameters["pipelined"].default is None  # None: ask candidates
+    assert not candidates.enabled("pipelined_backward")
 
 
 @pytest.fixture(scope="module")

@@ -210,24 +210,26 @@ def test_grouped_products_are_bitwise_deterministic(heads):
 @pytest.mark.parametrize("lengths", list(LENGTHS), ids=list(LENGTHS))
 @pytest.mark.parametrize("heads", HEAD_LAYOUTS, ids=HEAD_IDS)
 def test_forward_with_grouped_products_matches_float64_reference(monkeypatch, heads, lengths, with_initial_state):
-    """The whole Hopper forward with the candidate in place of the current products kernel."""
+    """The whole Hopper forward with the candidate switched on in place of the current products kernel."""
     from flashqla import hopper
-    from flashqla.hopper import inverse
+    from flashqla.hopper import candidates, inverse
 
     calls = []
+    compile_grouped = inverse.compile_grouped_products
 
-    def grouped_products(*args, **kwargs):
+    def counting_compile(*args, **kwargs):
         calls.append(True)
-        return inverse.gated_products(*args, **kwargs, grouped=True)
+        return compile_grouped(*args, **kwargs)
 
-    monkeypatch.setattr(hopper, "gated_products", grouped_products)
+    monkeypatch.setattr(inverse, "compile_grouped_products", counting_compile)
     seed = heads[1] * 10 + list(LENGTHS).index(lengths)
     inputs = make_inputs(LENGTHS[lengths], *heads, with_initial_state, seed=seed)
     poison_allocator()
-    o, final_state = hopper.forward(inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"], None,
-                                    inputs["initial_state"], True, inputs["cu_seqlens"])
+    with candidates.use("grouped_products"):
+        o, final_state = hopper.forward(inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"], None,
+                                        inputs["initial_state"], True, inputs["cu_seqlens"])
     torch.cuda.synchronize()
-    assert calls, "hopper.forward no longer calls the module-level gated_products: patch the new call site"
+    assert calls, "candidates.use('grouped_products') did not route hopper.forward to the grouped kernel"
     assert torch.isfinite(o).all() and torch.isfinite(final_state).all()
     ref_o, ref_state = float64_reference(inputs)
     err_o, err_state = relative_error(o, ref_o), relative_error(final_state, ref_state)

@@ -3,9 +3,12 @@
 # call ends inside the device tool's 10 minutes. Run on the device after the kit's setup:
 #   source .devkit/setup.sh; tools/device_session.sh PART [PART ...]
 # Parts:
-#   tests               every GPU test of the suite (pytest -m gpu; the 2-GPU test skips on one GPU)
+#   tests               every GPU test of the suite but the candidates' (pytest -m gpu; the 2-GPU test skips)
+#   candidates          the candidate kernels' GPU tests (printed timings kept in the log); when they pass,
+#                       a later bench in the same script adds the `candidates` column
 #   bench               python -m flashqla.bench --fwd --bwd --breakdown, ours / FLA / FlashQLA, JSON
-#                       (SHAPES=substr,... filters shapes; BENCH_BUDGET seconds, default: what is left)
+#                       (SHAPES=substr,... filters shapes; BENCH_BUDGET seconds, default: what is left;
+#                       BENCH_CANDIDATES=1 adds the candidates column without the candidates part)
 #   train-8k            launch/benchmark.sh 0.8B 8192 tilelang,fla
 #   train-128k-tilelang launch/benchmark.sh 0.8B 131072 tilelang
 #   train-128k-fla      launch/benchmark.sh 0.8B 131072 fla
@@ -14,6 +17,9 @@
 #   tp2                 (2 GPUs) the tensor-parallel GPU tests (NCCL), then TP=2 SP=1 launch/benchmark.sh 0.8B
 #                       131072 tilelang (TP2_OVERRIDES: extra Hydra overrides)
 #   tp2-8k              (2 GPUs) TP=2 launch/benchmark.sh 0.8B 8192 tilelang
+# On a 2-GPU machine two scripts can share a call, one GPU each (CUDA_VISIBLE_DEVICES, separate OUT):
+#   CUDA_VISIBLE_DEVICES=1 OUT=$OUT/gpu1 tools/device_session.sh candidates bench & \
+#   CUDA_VISIBLE_DEVICES=0 OUT=$OUT/gpu0 tools/device_session.sh tests train-8k; wait
 # Writes under $OUT: summary.txt, logs.tgz (every step's log and metrics), bench.json (bench),
 # tritoncache.tgz (Triton's cache, restored from .devkit/tritoncache.tgz next call); setup.sh adds
 # tlcache.tgz. Prints the summary table last. BUDGET_S (default 560) bounds the whole script.
@@ -30,6 +36,8 @@ export PYTHONUNBUFFERED=1 WANDB_MODE=disabled TRITON_CACHE_DIR=/tmp/tritoncache 
 mkdir -p "$TRITON_CACHE_DIR"
 [ -f .devkit/tritoncache.tgz ] && tar -xzf .devkit/tritoncache.tgz -C /tmp
 SUMMARY=()
+CANDIDATE_TESTS=(tests/test_hopper_backward_pipelined.py tests/test_hopper_grouped_products.py)
+BENCH_CANDIDATES=${BENCH_CANDIDATES:-0}
 
 left() { echo $((BUDGET_S - (SECONDS - STARTED))); }
 
@@ -59,6 +67,7 @@ step() {
     [ -z "$last" ] && last=$(tail -1 "$LOGS/$name.log" | cut -c1-150)
     tail -3 "$LOGS/$name.log"
     SUMMARY+=("$(printf '%-22s %-9s %5ss  %s' "$name" "$status" "$took" "$last")")
+    return $rc
 }
 
 train_run() {  # train_run NAME SIZE TOKENS BACKENDS: metrics land in $LOGS via benchmark.sh's $OUT
@@ -71,12 +80,20 @@ run_part() {
     case $1 in
     tests)
         step env 30 10 bash -c 'nvidia-smi; '"$PYTHON"' -c "import torch, triton, tilelang; print(torch.__version__, triton.__version__, tilelang.__version__, torch.cuda.get_device_name())"'
-        step pytest-gpu 420 120 "$PYTHON" -m pytest -m gpu -q -rfE -p no:cacheprovider --timeout=300 tests/
+        step pytest-gpu 420 120 "$PYTHON" -m pytest -m gpu -q -rfE -p no:cacheprovider --timeout=300 \
+            "${CANDIDATE_TESTS[@]/#/--ignore=}" tests/
+        ;;
+    candidates)
+        # -s keeps the timing prints; the thread method ends the process if a kernel hangs
+        step pytest-candidates 240 60 "$PYTHON" -m pytest -m gpu -q -s -rfE -p no:cacheprovider --timeout=90 \
+            --timeout-method=thread "${CANDIDATE_TESTS[@]}" && BENCH_CANDIDATES=1
         ;;
     bench)
         local budget=${BENCH_BUDGET:-$(($(left) - 40))}
+        local baselines=fla,flashqla
+        [ "$BENCH_CANDIDATES" = 1 ] && baselines=$baselines,candidates
         step bench $((budget + 30)) 90 "$PYTHON" -m flashqla.bench --fwd --bwd --breakdown --json "$OUT/bench.json" \
-            --time-budget "$budget" ${SHAPES:+--shapes "$SHAPES"}
+            --baselines "$baselines" --time-budget "$budget" ${SHAPES:+--shapes "$SHAPES"}
         ;;
     train-8k) train_run train-0.8B-8k-compare 0.8B 8192 tilelang,fla ;;
     train-128k-tilelang) train_run train-0.8B-128k-tilelang 0.8B 131072 tilelang ;;
@@ -97,7 +114,7 @@ run_part() {
             launch/benchmark.sh 0.8B 8192 tilelang ${TP2_OVERRIDES:-}
         ;;
     *)
-        echo "unknown part '$1': tests, bench, train-8k, train-128k-tilelang, train-128k-fla, train-2b, train," \
+        echo "unknown part '$1': tests, candidates, bench, train-8k, train-128k-tilelang, train-128k-fla, train-2b, train," \
             "tp2, tp2-8k" >&2
         SUMMARY+=("$(printf '%-22s %-9s' "$1" "UNKNOWN")")
         ;;
@@ -105,7 +122,7 @@ run_part() {
 }
 
 [ $# -eq 0 ] && set -- tests
-for part in "$@"; do run_part "$part"; done
+for part in "$@"; do run_part "$part" || true; done
 
 # Each run's last metrics line is its summary (step time, tokens/s, peak memory).
 for metrics in "$LOGS"/metrics-*.jsonl; do

@@ -3,11 +3,13 @@
 `forward` is the entry the public op calls with validated inputs (q, k already L2-normalised
 when asked). Kernel files: cumsum.py (chunk-local cumsum of g), inverse.py (gate-free inverse per
 chunk, and the gated products the fused kernel reads), fused_forward.py (o and final state),
-chunk_states.py (state-only X/Y recurrence), chunk_plan.py (pieces, V split; plans cached by cu_seqlens).
+chunk_states.py (state-only X/Y recurrence), chunk_plan.py (pieces, V split; plans cached by cu_seqlens),
+candidates.py (which kernels in the tree are still candidates, and the switch that turns them on).
 """
 
 import torch
 
+from flashqla.hopper import candidates  # noqa: F401 (the switch api.py reads)
 from flashqla.hopper.chunk_plan import device_sm_count, flat_cu_seqlens, plan_forward, walk_starts
 from flashqla.hopper.cumsum import chunk_local_cumsum
 from flashqla.hopper.fused_forward import MAX_VALUE_BLOCK, fused_forward

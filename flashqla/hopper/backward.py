@@ -11,6 +11,7 @@ result deterministic (no atomics).
 
 import torch
 
+from flashqla.hopper import candidates
 from flashqla.hopper.backward_fused import HEAD_DIM, compile_fused_backward, fused_backward
 from flashqla.hopper.backward_pipelined import compile_pipelined_backward, pipelined_backward
 from flashqla.hopper.backward_state_grads import compile_state_grads, state_gradients
@@ -29,7 +30,7 @@ COMPILE_CHECKS = [
 ]
 
 
-def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, pipelined: bool = False):
+def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, pipelined: bool | None = None):
     """Gradients of (o, final_state) for inputs as given to `flashqla.hopper.forward`.
 
     q, k: [B, T, Hqk, 128]; v, do: [B, T, Hv, 128]; g, beta: [B, T, Hv]; initial_state, dht:
@@ -38,9 +39,11 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, pipeli
     value-head group); dg, dbeta float32 [B, T, Hv]; dh0 float32 [N, Hv, 128, 128], also when
     there is no initial state (the gradient a zero initial state would get).
     pipelined: run the chunk-parallel gradients with the candidate kernel of backward_pipelined.py
-    (persistent CTAs, TMA loads overlapping compute) instead of backward_fused.py; not yet checked
-    on a GPU, so off by default.
+    (persistent CTAs, TMA loads overlapping compute) instead of backward_fused.py; None follows
+    `candidates.enabled("pipelined_backward")`.
     """
+    if pipelined is None:
+        pipelined = candidates.enabled("pipelined_backward")
     head_k, head_v = q.shape[-1], v.shape[-1]
     if head_k != HEAD_DIM or head_v != HEAD_DIM:
         raise ValueError(f"backend='tilelang' supports K = V = 128, got K={head_k}, V={head_v}")

@@ -10,6 +10,7 @@ import tilelang
 import tilelang.language as T
 import torch
 
+from flashqla.hopper import candidates
 from flashqla.hopper.chunk_plan import CHUNK_SIZE, chunk_indices, flat_cu_seqlens
 from flashqla.hopper.cumsum import HOPPER_TARGET
 from flashqla.hopper.grouped_products import MAX_GROUP_SIZE, MIN_BLOCKS_PER_SM, compile_grouped_products
@@ -219,16 +220,18 @@ def compile_gated_products(head_dim: int = 128, dtype: str = "bfloat16", beta_dt
 
 
 def gated_products(q: torch.Tensor, k: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, scale: float,
-                   cu_seqlens: torch.Tensor, chunk_index: torch.Tensor, grouped: bool = False,
+                   cu_seqlens: torch.Tensor, chunk_index: torch.Tensor, grouped: bool | None = None,
                    min_blocks_per_sm: int = MIN_BLOCKS_PER_SM) -> tuple[torch.Tensor, torch.Tensor]:
     """(gated_inverse, scores), each [T, Hv, 64] in q's dtype, on flattened inputs:
     q, k [T, Hqk, K]; gamma (fp32 chunk-local cumsum), beta [T, Hv]; cu_seqlens int32 [N+1].
 
     grouped=True runs the candidate kernel of grouped_products.py (one CTA per chunk and qk head,
-    Hv / Hqk <= 8; min_blocks_per_sm is its register cap); it has not been checked on a GPU yet,
-    so the default stays the device-verified kernel.
+    Hv / Hqk <= 8; min_blocks_per_sm is its register cap); None follows `candidates.enabled`
+    (the verified kernel where the group is too large).
     """
     num_tokens, num_v_heads = gamma.shape
+    if grouped is None:
+        grouped = candidates.enabled("grouped_products") and num_v_heads // q.shape[1] <= MAX_GROUP_SIZE
     if grouped and num_v_heads // q.shape[1] > MAX_GROUP_SIZE:
         raise ValueError(f"gated_products(grouped=True) serves at most {MAX_GROUP_SIZE} value heads per qk head, "
                          f"got Hv={num_v_heads}, Hqk={q.shape[1]}")
