@@ -37,6 +37,7 @@ def chunk_gated_delta_rule(
     output_final_state: bool = False,
     use_qk_l2norm_in_kernel: bool = False,
     cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked gated delta rule.
@@ -55,12 +56,15 @@ def chunk_gated_delta_rule(
         use_qk_l2norm_in_kernel: L2-normalise q and k over their last dim first.
         cu_seqlens: `[N + 1]` integer offsets of packed sequences (0 first, T last, non-decreasing;
             empty sequences allowed); needs B = 1.
+        cu_seqlens_cpu: the same offsets on the CPU (as in FLA). The kernels plan from host offsets;
+            given, they are taken from here and the call makes no device->host read. The caller
+            guarantees it equals cu_seqlens (that is not checked: it would cost the read it saves).
         backend: "auto" | "tilelang" | "torch" | "fla".
 
     Returns:
         `(o, final_state)`: o shaped and typed like v; final_state or None.
     """
-    cu_seqlens_host = check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)
+    cu_seqlens_host = check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu)
     backend = resolve_backend(backend, q, v)
     if scale is None:
         scale = q.shape[-1] ** -0.5
@@ -73,7 +77,8 @@ def chunk_gated_delta_rule(
         from flashqla.fla_baseline import chunk_gated_delta_rule_fla
 
         return chunk_gated_delta_rule_fla(
-            q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens
+            q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
+            cu_seqlens_cpu=None if cu_seqlens_host is None else torch.tensor(cu_seqlens_host),
         )
     if use_qk_l2norm_in_kernel:
         q, k = reference.l2_normalize(q), reference.l2_normalize(k)
@@ -95,6 +100,7 @@ class HopperGatedDeltaRule(torch.autograd.Function):
         )
         ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
         ctx.scale = scale
+        ctx.cu_seqlens_host = cu_seqlens_host
         ctx.candidates = hopper.candidates.chosen()  # the backward runs the kernels this forward chose
         return o, final_state
 
@@ -106,7 +112,8 @@ class HopperGatedDeltaRule(torch.autograd.Function):
         q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
         with candidates.use(*ctx.candidates):
             dq, dk, dv, dg, dbeta, dh0 = backward(
-                q, k, v, g, beta, ctx.scale, initial_state, cu_seqlens, d_o, d_final_state
+                q, k, v, g, beta, ctx.scale, initial_state, cu_seqlens, d_o, d_final_state,
+                cu_seqlens_host=ctx.cu_seqlens_host,
             )
         dh0 = dh0 if initial_state is not None else None
         return dq, dk, dv, dg, dbeta, None, dh0, None, None, None
@@ -159,10 +166,11 @@ def _hopper_available(device: torch.device) -> bool:
     return True
 
 
-def check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens) -> list[int] | None:
+def check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu=None) -> list[int] | None:
     """Raise TypeError/ValueError naming the argument for anything outside the contract.
 
-    Returns cu_seqlens read back to the host (the kernels plan their grid from it), or None."""
+    Returns cu_seqlens as a host list (the kernels plan their grid from it), or None: taken from
+    cu_seqlens_cpu when given, else read back from cu_seqlens."""
     for name, x, rank in (("q", q, 4), ("k", k, 4), ("v", v, 4), ("g", g, 3), ("beta", beta, 3)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -193,8 +201,17 @@ def check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens) -> list[int
         raise ValueError(f"scale must be a positive number or None, got {scale!r}")
 
     num_sequences, bounds = B, None
+    if cu_seqlens_cpu is not None:
+        if cu_seqlens is None:
+            raise ValueError("cu_seqlens_cpu was given without cu_seqlens; pass both (the same offsets) or neither")
+        if not isinstance(cu_seqlens_cpu, torch.Tensor) or cu_seqlens_cpu.device.type != "cpu":
+            where = cu_seqlens_cpu.device if isinstance(cu_seqlens_cpu, torch.Tensor) else type(cu_seqlens_cpu).__name__
+            raise ValueError(f"cu_seqlens_cpu must be an integer tensor on the CPU, got {where}")
+        if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens_cpu.shape != cu_seqlens.shape:
+            raise ValueError(f"cu_seqlens_cpu must have cu_seqlens' shape {tuple(cu_seqlens.shape)}, "
+                             f"got {tuple(cu_seqlens_cpu.shape)}")
     if cu_seqlens is not None:
-        bounds = _check_cu_seqlens(cu_seqlens, B, T, q.device)
+        bounds = _check_cu_seqlens(cu_seqlens, B, T, q.device, host_copy=cu_seqlens_cpu)
         num_sequences = len(bounds) - 1
     if initial_state is not None:
         if not isinstance(initial_state, torch.Tensor) or not initial_state.is_floating_point():
@@ -210,7 +227,7 @@ def check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens) -> list[int
     return bounds
 
 
-def _check_cu_seqlens(cu_seqlens, batch: int, seq_len: int, device: torch.device) -> list[int]:
+def _check_cu_seqlens(cu_seqlens, batch: int, seq_len: int, device: torch.device, host_copy=None) -> list[int]:
     if not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(f"cu_seqlens must be an integer torch.Tensor, got {type(cu_seqlens).__name__}")
     if cu_seqlens.dtype not in (torch.int32, torch.int64):
@@ -221,7 +238,9 @@ def _check_cu_seqlens(cu_seqlens, batch: int, seq_len: int, device: torch.device
         raise ValueError(f"cu_seqlens needs packed inputs with B = 1, got B = {batch}")
     if cu_seqlens.device != device:
         raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but q is on {device}")
-    bounds = cu_seqlens.tolist()
+    if host_copy is not None and host_copy.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"cu_seqlens_cpu must have dtype int32 or int64, got {host_copy.dtype}")
+    bounds = (cu_seqlens if host_copy is None else host_copy).tolist()
     if bounds[0] != 0 or bounds[-1] != seq_len:
         raise ValueError(
             f"cu_seqlens must start at 0 and end at T = {seq_len}, got first {bounds[0]} and last {bounds[-1]}"

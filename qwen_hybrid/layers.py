@@ -140,9 +140,10 @@ class GatedDeltaRule(nn.Module):
         super().__init__()
         self.backend = backend
 
-    def forward(self, q, k, v, g, beta, cu_seqlens=None) -> torch.Tensor:
+    def forward(self, q, k, v, g, beta, cu_seqlens=None, cu_seqlens_cpu=None) -> torch.Tensor:
         o, _ = flashqla.chunk_gated_delta_rule(
-            q, k, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, backend=self.backend
+            q, k, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+            backend=self.backend,
         )
         return o
 
@@ -187,7 +188,8 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(value_dim, hidden_size, bias=False)
         self.gated_delta_rule = GatedDeltaRule(backend)
 
-    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+                cu_seqlens_cpu: torch.Tensor | None = None) -> torch.Tensor:
         batch, length, _ = x.shape
         key_dim = self.num_k_heads * self.head_k_dim
         value_dim = self.num_v_heads * self.head_v_dim
@@ -199,7 +201,7 @@ class GatedDeltaNet(nn.Module):
         beta = torch.sigmoid(self.in_proj_b(x))
         # float32 so that exp(A_log) cannot overflow in half precision
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
-        o = self.gated_delta_rule(q, k, v, g, beta, cu_seqlens)
+        o = self.gated_delta_rule(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu)
         z = self.in_proj_z(x).reshape(batch, length, self.num_v_heads, self.head_v_dim)
         o = self.norm(o, z).reshape(batch, length, value_dim)
         return self.out_proj(o)
@@ -350,10 +352,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, hidden, cos, sin, cu_seqlens=None, max_seqlen=None) -> torch.Tensor:
+    def forward(self, hidden, cos, sin, cu_seqlens=None, max_seqlen=None, cu_seqlens_cpu=None) -> torch.Tensor:
         mixer_input = self.input_layernorm(hidden)
         if self.layer_type == "linear_attention":
-            hidden = hidden + self.linear_attn(mixer_input, cu_seqlens)
+            hidden = hidden + self.linear_attn(mixer_input, cu_seqlens, cu_seqlens_cpu)
         else:
             hidden = hidden + self.self_attn(mixer_input, cos, sin, cu_seqlens, max_seqlen)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))

@@ -33,12 +33,16 @@ class QwenHybridModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.activation_checkpointing = False
 
-    def forward(self, input_ids, cu_seqlens=None, position_ids=None) -> torch.Tensor:
-        """input_ids [B, T] -> final hidden states [B, T, H]."""
+    def forward(self, input_ids, cu_seqlens=None, position_ids=None, cu_seqlens_cpu=None) -> torch.Tensor:
+        """input_ids [B, T] -> final hidden states [B, T, H]. cu_seqlens may be on the CPU (moved here);
+        cu_seqlens_cpu, its host copy, spares every layer a device->host read."""
         batch, length = input_ids.shape
         max_seqlen = None
         if cu_seqlens is not None:
-            lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+            if cu_seqlens_cpu is None:
+                cu_seqlens_cpu = cu_seqlens.cpu()
+            cu_seqlens = cu_seqlens.to(input_ids.device, non_blocking=True)
+            lengths = (cu_seqlens_cpu[1:] - cu_seqlens_cpu[:-1]).tolist()
             max_seqlen = max(lengths) if lengths else 0
         cos = sin = None
         if "full_attention" in self.config.layer_types:
@@ -48,9 +52,10 @@ class QwenHybridModel(nn.Module):
         hidden = self.embed_tokens(input_ids)
         for layer in self.layers:
             if self.activation_checkpointing and torch.is_grad_enabled():
-                hidden = checkpoint(layer, hidden, cos, sin, cu_seqlens, max_seqlen, use_reentrant=False)
+                hidden = checkpoint(layer, hidden, cos, sin, cu_seqlens, max_seqlen, cu_seqlens_cpu,
+                                    use_reentrant=False)
             else:
-                hidden = layer(hidden, cos, sin, cu_seqlens, max_seqlen)
+                hidden = layer(hidden, cos, sin, cu_seqlens, max_seqlen, cu_seqlens_cpu)
         return self.norm(hidden)
 
 
@@ -97,11 +102,18 @@ class QwenHybridForCausalLM(nn.Module):
         return_logits: bool | None = None,
     ) -> CausalLMOutput:
         """input_ids [B, T]. cu_seqlens [N+1] (B = 1): packed documents, each independent in every
-        layer. position_ids [B, T]: RoPE positions (default: 0.. per row, or per document).
+        layer; on the CPU or the model's device (read back to the host once per call). position_ids [B, T]: RoPE positions (default: 0.. per row, or per document).
         labels [B, T] aligned with input_ids like HF's (the model shifts them; -100 ignored;
         no target crosses a document boundary). return_logits defaults to `labels is None`."""
-        _check_inputs(input_ids, cu_seqlens, position_ids, labels)
-        hidden = self.model(input_ids, cu_seqlens, position_ids)
+        cu_seqlens_cpu = None
+        if cu_seqlens is not None:
+            if not isinstance(cu_seqlens, torch.Tensor):
+                raise TypeError(f"cu_seqlens must be an integer torch.Tensor [N+1], got {type(cu_seqlens).__name__}")
+            # the step's one device->host read: the kernels plan their grids from these bounds
+            cu_seqlens_cpu = cu_seqlens.cpu()
+            cu_seqlens = cu_seqlens.to(input_ids.device, non_blocking=True)
+        _check_inputs(input_ids, cu_seqlens_cpu, position_ids, labels)
+        hidden = self.model(input_ids, cu_seqlens, position_ids, cu_seqlens_cpu)
         if return_logits is None:
             return_logits = labels is None
         output = CausalLMOutput()

@@ -75,6 +75,16 @@ def _bad_cases():
         "initial_state N": (dict(initial_state=base["initial_state"][:1]), ValueError,
                             r"initial_state must be \[N, Hv, K, V\] = \(2, 4, 8, 8\).*got shape \(1, 4, 8, 8\)"),
         "initial_state dtype": (dict(initial_state=base["initial_state"].long()), TypeError, "initial_state must be a floating-point"),
+        "cu_seqlens_cpu alone": (dict(cu_seqlens=None, cu_seqlens_cpu=torch.tensor([0, 10, 16]), initial_state=None),
+                                 ValueError, "cu_seqlens_cpu was given without cu_seqlens"),
+        "cu_seqlens_cpu off the CPU": (dict(cu_seqlens_cpu=torch.tensor([0, 10, 16]).to("meta")), ValueError,
+                                       "cu_seqlens_cpu must be an integer tensor on the CPU, got meta"),
+        "cu_seqlens_cpu shape": (dict(cu_seqlens_cpu=torch.tensor([0, 16])), ValueError,
+                                 r"cu_seqlens_cpu must have cu_seqlens' shape \(3,\), got \(2,\)"),
+        "float cu_seqlens_cpu": (dict(cu_seqlens_cpu=torch.tensor([0.0, 10.0, 16.0])), TypeError,
+                                 "cu_seqlens_cpu must have dtype int32 or int64, got torch.float32"),
+        "cu_seqlens_cpu short of T": (dict(cu_seqlens_cpu=torch.tensor([0, 10, 15])), ValueError,
+                                      "end at T = 16, got first 0 and last 15"),
     }
 
 
@@ -83,3 +93,25 @@ def test_bad_input_names_the_argument(case):
     overrides, error, pattern = _bad_cases()[case]
     with pytest.raises(error, match=pattern):
         chunk_gated_delta_rule(**small(**overrides))
+
+
+def test_host_offsets_give_the_same_result():
+    inputs = small()
+    expected, expected_state = chunk_gated_delta_rule(**inputs, output_final_state=True)
+    o, state = chunk_gated_delta_rule(**inputs, output_final_state=True, cu_seqlens_cpu=inputs["cu_seqlens"].clone())
+    assert torch.equal(o, expected) and torch.equal(state, expected_state)
+
+
+def test_host_offsets_are_what_the_kernels_plan_from(monkeypatch):
+    """With cu_seqlens_cpu the bounds come from it: cu_seqlens itself is never read back."""
+    from flashqla import api
+
+    class NoReadback(torch.Tensor):
+        def tolist(self):
+            raise AssertionError("cu_seqlens was read back although cu_seqlens_cpu was given")
+
+    inputs = small()
+    host = inputs["cu_seqlens"].clone()
+    inputs["cu_seqlens"] = inputs["cu_seqlens"].as_subclass(NoReadback)
+    assert api.check_inputs(*(inputs[n] for n in ("q", "k", "v", "g", "beta")), None, inputs["initial_state"],
+                            inputs["cu_seqlens"], host) == host.tolist()

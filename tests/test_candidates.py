@@ -49,7 +49,7 @@ def test_backward_runs_the_kernels_its_forward_chose(monkeypatch):
         seen["forward"] = candidates.chosen()
         return v * 1.0, None
 
-    def fake_backward(q, k, v, g, beta, scale, h0, cu, d_o, d_state):
+    def fake_backward(q, k, v, g, beta, scale, h0, cu, d_o, d_state, cu_seqlens_host=None):
         seen["backward"] = candidates.chosen()
         return (torch.zeros_like(q), torch.zeros_like(k), d_o, torch.zeros_like(g), torch.zeros_like(beta), None)
 

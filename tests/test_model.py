@@ -206,3 +206,25 @@ def test_gpu_bf16_model_matches_float32_torch_reference(backend):
     reference_params = dict(reference.named_parameters())
     for name, param in fast.named_parameters():
         assert relative_error(param.grad.float().cpu(), reference_params[name].grad) <= 5e-2, name
+
+
+def test_model_reads_cu_seqlens_once_and_hands_host_offsets_to_every_gdn_layer(monkeypatch):
+    """The kernels plan from host offsets; the model passes its one host copy down so no layer
+    reads cu_seqlens back from the device again."""
+    import flashqla
+    from qwen_hybrid import layers
+
+    seen = []
+    op = flashqla.chunk_gated_delta_rule
+
+    def recording_op(*args, cu_seqlens=None, cu_seqlens_cpu=None, **kwargs):
+        seen.append(None if cu_seqlens_cpu is None else (cu_seqlens_cpu.device.type, cu_seqlens_cpu.tolist()))
+        return op(*args, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, **kwargs)
+
+    monkeypatch.setattr(layers.flashqla, "chunk_gated_delta_rule", recording_op)
+    config = QwenHybridConfig.named("tiny", gdn_backend="torch")
+    model = QwenHybridForCausalLM(config)
+    ids = torch.randint(0, config.vocab_size, (1, 40))
+    model(ids, cu_seqlens=torch.tensor([0, 15, 40], dtype=torch.int32), labels=ids).loss.backward()
+    gdn_layers = config.layer_types.count("linear_attention")
+    assert seen == [("cpu", [0, 15, 40])] * gdn_layers

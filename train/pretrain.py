@@ -199,7 +199,7 @@ def train_step(engine, sampler: MicroBatchSampler, data_position: int, accumulat
             timer.phase = "fwd"
         output = engine(
             input_ids,
-            cu_seqlens=batch.cu_seqlens.to(device, non_blocking=True),
+            cu_seqlens=batch.cu_seqlens,  # on the CPU: the model keeps the host copy and moves it
             position_ids=batch.position_ids.to(device, non_blocking=True),
             labels=input_ids,
         )

@@ -15,9 +15,10 @@ from flashqla.hopper import candidates
 from flashqla.hopper.backward_fused import HEAD_DIM, compile_fused_backward, fused_backward
 from flashqla.hopper.backward_pipelined import compile_pipelined_backward, pipelined_backward
 from flashqla.hopper.backward_state_grads import compile_state_grads, state_gradients
-from flashqla.hopper.chunk_plan import chunk_indices, chunk_offsets, device_sm_count, flat_cu_seqlens, value_block_size
+from flashqla.hopper.chunk_plan import device_sm_count, flat_cu_seqlens, plan_forward, value_block_size
 from flashqla.hopper.chunk_states import chunk_states
 from flashqla.hopper.cumsum import chunk_local_cumsum
+from flashqla.hopper.fused_forward import MAX_VALUE_BLOCK as FORWARD_MAX_VALUE_BLOCK
 from flashqla.hopper.inverse import gate_free_inverse, gated_products
 
 # Widest V block of the sequential walks: narrower blocks give more CTAs on the critical path.
@@ -30,7 +31,8 @@ COMPILE_CHECKS = [
 ]
 
 
-def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, pipelined: bool | None = None):
+def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, pipelined: bool | None = None,
+             cu_seqlens_host: list[int] | None = None):
     """Gradients of (o, final_state) for inputs as given to `flashqla.hopper.forward`.
 
     q, k: [B, T, Hqk, 128]; v, do: [B, T, Hv, 128]; g, beta: [B, T, Hv]; initial_state, dht:
@@ -41,6 +43,8 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, pipeli
     pipelined: run the chunk-parallel gradients with the candidate kernel of backward_pipelined.py
     (persistent CTAs, TMA loads overlapping compute) instead of backward_fused.py; None follows
     `candidates.enabled("pipelined_backward")`.
+    cu_seqlens_host: cu_seqlens as a list when the caller holds it (the forward's plan is then
+    reused from its cache with no device->host read).
     """
     if pipelined is None:
         pipelined = candidates.enabled("pipelined_backward")
@@ -56,8 +60,15 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, pipeli
     device = q.device
     if cu_seqlens is None:
         cu_seqlens = flat_cu_seqlens(batch_size, seq_len, device)
+        cu_seqlens_host = [b * seq_len for b in range(batch_size + 1)]
     cu_seqlens = cu_seqlens.to(device=device, dtype=torch.int32).contiguous()
     num_sequences = cu_seqlens.numel() - 1
+    sm_count = device_sm_count(device)
+    # The forward's plan, from its cache (same key as the forward's): chunk index and offsets.
+    plan = plan_forward(cu_seqlens, num_v_heads, HEAD_DIM, sm_count, FORWARD_MAX_VALUE_BLOCK,
+                        host_bounds=cu_seqlens_host)
+    if cu_seqlens_host is None:
+        cu_seqlens_host = cu_seqlens.tolist()
 
     # The fused kernel reads bf16 operands; float16 inputs are converted once here.
     def flat(x, heads):
@@ -68,15 +79,14 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, pipeli
     g_flat = g.reshape(num_tokens, num_v_heads).to(torch.float32).contiguous()
     beta_flat = beta.reshape(num_tokens, num_v_heads).to(torch.float32).contiguous()
 
-    chunk_index = chunk_indices(cu_seqlens)
-    offsets = chunk_offsets(cu_seqlens)
+    chunk_index, offsets = plan.chunk_index, plan.chunk_offsets
     gamma = chunk_local_cumsum(g_flat.unsqueeze(0), cu_seqlens, chunk_index=chunk_index)
     inverse = gate_free_inverse(k_flat.unsqueeze(0), beta_flat.unsqueeze(0), cu_seqlens, chunk_index=chunk_index)
     inverse = inverse.view(num_tokens, num_v_heads, -1)
     h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
 
-    busy_sequences = max(int((cu_seqlens[1:] > cu_seqlens[:-1]).sum().item()), 1)
-    value_block = value_block_size(busy_sequences, num_v_heads, HEAD_DIM, device_sm_count(device), MAX_VALUE_BLOCK)
+    busy_sequences = max(sum(b > a for a, b in zip(cu_seqlens_host, cu_seqlens_host[1:])), 1)
+    value_block = value_block_size(busy_sequences, num_v_heads, HEAD_DIM, sm_count, MAX_VALUE_BLOCK)
     gamma = gamma.view(num_tokens, num_v_heads)
     states, _, _ = chunk_states(k_flat, v_flat, gamma, beta_flat, inverse, h0, cu_seqlens, value_block=value_block)
 
