@@ -5,7 +5,7 @@
 
 A case: impl ("ours" | "hf"), size (a named size), tokens, docs (equal documents packed with
 cu_seqlens; HF gets one unpacked sequence), backend (GDN), ckpt (activation checkpointing),
-steps. Random bf16 weights on the current CUDA device; each result is printed and appended as a
+steps, profile (N > 0: one more step under torch.profiler, its N costliest GPU kernels printed). Random bf16 weights on the current CUDA device; each result is printed and appended as a
 JSON line to $OUT/bench.jsonl when OUT is set. The first step includes kernel compilation.
 Run from the repository root.
 """
@@ -39,7 +39,7 @@ def build(impl: str, config: QwenHybridConfig, ckpt: bool) -> torch.nn.Module:
     return model.train()
 
 
-def measure(impl="ours", size="0.8B", tokens=32768, docs=1, backend="auto", ckpt=False, steps=3) -> dict:
+def measure(impl="ours", size="0.8B", tokens=32768, docs=1, backend="auto", ckpt=False, steps=3, profile=0) -> dict:
     case = dict(impl=impl, size=size, tokens=tokens, docs=docs, backend=backend, ckpt=bool(ckpt))
     config = QwenHybridConfig.named(size, gdn_backend=backend)
     torch.manual_seed(0)
@@ -76,12 +76,32 @@ def measure(impl="ours", size="0.8B", tokens=32768, docs=1, backend="auto", ckpt
         result = dict(case, first_step_s=round(first_step_s, 1), step_ms=round(step_ms, 1),
                       tokens_per_s=round(tokens / step_ms * 1000), peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
                       loss=round(loss.item(), 4))
+        if profile:
+            result["top_kernels"] = top_kernels(step, profile)
     except torch.OutOfMemoryError as error:
         result = dict(case, error=f"out of memory: {str(error)[:160]}")
     del model
     gc.collect()
     torch.cuda.empty_cache()
     return result
+
+
+def top_kernels(step, count: int) -> list[dict]:
+    """The `count` GPU kernels with the most total time in one step (ms, calls), and the step's
+    GPU-busy total: where a slow step goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    events.sort(key=lambda e: e.device_time_total, reverse=True)
+    busy_ms = sum(e.self_device_time_total for e in events) / 1000
+    rows = [dict(kernel=e.key[:90], ms=round(e.device_time_total / 1000, 2), calls=e.count) for e in events[:count]]
+    print(f"GPU busy {busy_ms:.1f} ms in one step; costliest kernels:")
+    for row in rows:
+        print(f"  {row['ms']:10.2f} ms {row['calls']:6d} calls  {row['kernel']}")
+    return [dict(busy_ms=round(busy_ms, 1))] + rows
 
 
 def main(argv: list[str]) -> None:
