@@ -7,6 +7,9 @@ Each library is called the way its users call it: ours through `flashqla.chunk_g
 (backend="tilelang", input checks included), FLA through `fla.ops.gated_delta_rule.chunk_gated_delta_rule`
 with FLA_FLASH_QLA=0 (else FLA hands the call to FlashQLA), FlashQLA through
 `flash_qla.chunk_gated_delta_rule`; cu_seqlens is made once per shape in the dtype each expects.
+Ours and FLA also get the offsets' host copy (`cu_seqlens_cpu`, as the model passes it), which
+spares both a device->host read per call; FlashQLA's signature has no such argument.
+--no-host-offsets times the synchronising call instead.
 Inputs as in docs/anchors.md: bf16 q/k/v (q, k L2-normalised), fp32 g = logsigmoid(randn)/16,
 fp32 beta = sigmoid(rand), fp32 initial state, final state on, K = V = 128, B = 1 with cu_seqlens.
 Median of triton.testing.do_bench; forward under no_grad; backward = (forward + backward) - forward.
@@ -61,16 +64,21 @@ def make_inputs(heads: tuple[int, int], seq_lens: list[int], seed: int = 0) -> d
         initial_state=randn(len(seq_lens), num_v_heads, 128, 128),
         cu_seqlens=torch.tensor([0, *seq_lens], device="cuda").cumsum(0).to(torch.int32),
         cu_seqlens_long=torch.tensor([0, *seq_lens], device="cuda").cumsum(0),
+        cu_seqlens_cpu=torch.tensor([0, *seq_lens]).cumsum(0),
     )
 
 
-def implementations(baselines: list[str]) -> dict:
+def implementations(baselines: list[str], host_offsets: bool = True) -> dict:
     """name -> f(inputs) returning (o, final_state); ours first. Each calls its library's public op."""
     from flashqla import chunk_gated_delta_rule as ours_op
 
+    def host_copy(x):
+        return x["cu_seqlens_cpu"] if host_offsets else None
+
     def ours(x):
         return ours_op(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"],
-                       output_final_state=True, cu_seqlens=x["cu_seqlens"], backend="tilelang")
+                       output_final_state=True, cu_seqlens=x["cu_seqlens"], cu_seqlens_cpu=host_copy(x),
+                       backend="tilelang")
 
     impls = {"ours": ours}
     if "fla" in baselines:
@@ -81,7 +89,7 @@ def implementations(baselines: list[str]) -> dict:
         else:
             def fla(x):
                 return fla_op(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"],
-                              output_final_state=True, cu_seqlens=x["cu_seqlens_long"])
+                              output_final_state=True, cu_seqlens=x["cu_seqlens_long"], cu_seqlens_cpu=host_copy(x))
             impls["fla"] = fla
     if "flashqla" in baselines:
         try:
@@ -193,6 +201,8 @@ def main(argv=None) -> None:
     parser.add_argument("--shapes", default="", help="comma-separated substrings; run only matching shape names")
     parser.add_argument("--baselines", default="fla,flashqla",
                         help="comma-separated: fla, flashqla, candidates (ours with the candidate kernels on)")
+    parser.add_argument("--no-host-offsets", dest="host_offsets", action="store_false",
+                        help="call ours and FLA without cu_seqlens_cpu (each reads cu_seqlens back per call)")
     parser.add_argument("--breakdown", action="store_true", help="also time each stage of our forward")
     parser.add_argument("--rep", type=int, default=200, help="do_bench repetition time per measurement, ms")
     parser.add_argument("--time-budget", type=float, default=None,
@@ -202,7 +212,7 @@ def main(argv=None) -> None:
         raise SystemExit("flashqla.bench needs a CUDA GPU")
     started = time.perf_counter()
     do_forward = args.fwd or not args.bwd
-    impls = implementations([b for b in args.baselines.split(",") if b])
+    impls = implementations([b for b in args.baselines.split(",") if b], args.host_offsets)
     wanted = [s for s in args.shapes.split(",") if s]
     shapes = [s for s in bench_shapes() if not wanted or any(w in s[0] for w in wanted)]
     if not shapes:
@@ -250,17 +260,17 @@ def main(argv=None) -> None:
         del inputs
         torch.cuda.empty_cache()
         if args.json:
-            write_json(args.json, results, skipped, impls)
+            write_json(args.json, results, skipped, impls, args.host_offsets)
 
     print()
     print(format_table(results, impls, do_forward, args.bwd))
     if skipped:
         print(f"skipped for --time-budget {args.time_budget:g} s: {', '.join(skipped)}")
     if args.json:
-        write_json(args.json, results, skipped, impls)
+        write_json(args.json, results, skipped, impls, args.host_offsets)
 
 
-def write_json(path: str, results: list[dict], skipped: list[str], impls: dict) -> None:
+def write_json(path: str, results: list[dict], skipped: list[str], impls: dict, host_offsets: bool) -> None:
     import importlib.metadata as metadata
 
     versions = {}
@@ -271,7 +281,7 @@ def write_json(path: str, results: list[dict], skipped: list[str], impls: dict) 
             versions[package] = None
     with open(path, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "versions": versions, "implementations": list(impls),
-                   "results": results, "skipped": skipped}, f, indent=1)
+                   "host_offsets": host_offsets, "results": results, "skipped": skipped}, f, indent=1)
 
 
 def format_row(row: dict, impls: dict) -> str:
