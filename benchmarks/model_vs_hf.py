@@ -5,7 +5,8 @@
 
 A case: impl ("ours" | "hf"), size (a named size), tokens, docs (equal documents packed with
 cu_seqlens; HF gets one unpacked sequence), backend (GDN), ckpt (activation checkpointing),
-steps, profile (N > 0: one more step under torch.profiler, its N costliest GPU kernels printed). Random bf16 weights on the current CUDA device; each result is printed and appended as a
+steps, profile (N > 0: one more step under torch.profiler; its N costliest GPU kernels and host
+ops are printed). Random bf16 weights on the current CUDA device; each result is printed and appended as a
 JSON line to $OUT/bench.jsonl when OUT is set. The first step includes kernel compilation.
 Run from the repository root.
 """
@@ -77,7 +78,7 @@ def measure(impl="ours", size="0.8B", tokens=32768, docs=1, backend="auto", ckpt
                       tokens_per_s=round(tokens / step_ms * 1000), peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
                       loss=round(loss.item(), 4))
         if profile:
-            result["top_kernels"] = top_kernels(step, profile)
+            result.update(profile_one_step(step, profile))
     except torch.OutOfMemoryError as error:
         result = dict(case, error=f"out of memory: {str(error)[:160]}")
     del model
@@ -86,22 +87,19 @@ def measure(impl="ours", size="0.8B", tokens=32768, docs=1, backend="auto", ckpt
     return result
 
 
-def top_kernels(step, count: int) -> list[dict]:
-    """The `count` GPU kernels with the most total time in one step (ms, calls), and the step's
-    GPU-busy total: where a slow step goes."""
+def profile_one_step(step, count: int) -> dict:
+    """One more step under torch.profiler; prints where its time went (train.metrics.profile_summary)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    from train.metrics import profile_summary
+
+    started = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.device_time_total > 0]
-    events.sort(key=lambda e: e.device_time_total, reverse=True)
-    busy_ms = sum(e.self_device_time_total for e in events) / 1000
-    rows = [dict(kernel=e.key[:90], ms=round(e.device_time_total / 1000, 2), calls=e.count) for e in events[:count]]
-    print(f"GPU busy {busy_ms:.1f} ms in one step; costliest kernels:")
-    for row in rows:
-        print(f"  {row['ms']:10.2f} ms {row['calls']:6d} calls  {row['kernel']}")
-    return [dict(busy_ms=round(busy_ms, 1))] + rows
+    report, record = profile_summary(prof, time.perf_counter() - started, count)
+    print(report, flush=True)
+    return record
 
 
 def main(argv: list[str]) -> None:

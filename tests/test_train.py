@@ -159,12 +159,13 @@ def test_sigterm_saves_a_checkpoint_and_stops(workdir):
     assert [r["step"] for r in step_records(run_dir)] == list(range(1, last_step + 2))
 
 
-def test_kernel_timing_and_backend_comparison(workdir):
+def test_kernel_timing_backend_comparison_and_step_profile(workdir):
     run_dir = workdir / "compare"
     result = run_command(
         [sys.executable, PRETRAIN] + smoke_overrides(
             workdir, run_dir, "train.steps=4", "benchmark.compare_backends=[torch,auto]", "benchmark.warmup_steps=0",
             "train.activation_checkpointing=true", "logger.mode=offline", "train.export_hf=false",
+            "benchmark.profile_step=3",
         ),
         workdir,
     )
@@ -186,6 +187,12 @@ def test_kernel_timing_and_backend_comparison(workdir):
     assert summary["columns"] == ["quantity", "torch_s", "auto_s", "auto_over_torch"]
     assert {row[0] for row in summary["rows"]} >= {"step_time", "gdn_fwd", "attention_bwd"}
     assert list(run_dir.glob("wandb/offline-run-*/files/media/table/compare/summary_*.table.json"))
+    # step 3 ran under the profiler: its report names the model's ops; only that step logs profile keys
+    report = (run_dir / "profile-step3.txt").read_text()
+    assert report.startswith("wall ") and "host ops by self CPU time" in report and "aten::mm" in report
+    assert [sorted(k for k in r if k.startswith("profile/")) for r in records] == [
+        [], [], ["profile/gpu_busy_s", "profile/wall_s"], []]
+    assert records[2]["profile/wall_s"] == records[2]["step_time_s"]
 
 
 @pytest.mark.parametrize(
@@ -233,6 +240,7 @@ def _compose(*overrides: str):
         ("parallel.tp=2", None),
         ("benchmark.compare_backends=[tilelang]", "benchmark.compare_backends=['tilelang']"),
         ("benchmark.compare_backends=[tilelang,cuda]", "benchmark.compare_backends[1]='cuda'"),
+        ("benchmark.profile_step=-1", "benchmark.profile_step=-1: expected an integer >= 0"),
     ],
 )
 def test_config_validation_names_the_key(override, key):

@@ -122,6 +122,7 @@ def validate_config(cfg: DictConfig) -> None:
     bench = cfg.benchmark
     _boolean("benchmark.kernel_timing", bench.kernel_timing)
     _integer("benchmark.warmup_steps", bench.warmup_steps, 0)
+    _integer("benchmark.profile_step", bench.profile_step, 0)
     if not isinstance(bench.compare_backends, ListConfig):
         raise ConfigError(f"benchmark.compare_backends={bench.compare_backends!r}: expected a list such as [tilelang,fla]")
     if bench.compare_backends:

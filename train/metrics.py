@@ -85,6 +85,23 @@ class KernelTimer:
             handle.remove()
 
 
+def profile_summary(prof, wall_s: float, count: int = 30) -> tuple[str, dict]:
+    """What one profiled step spent its time on: the costliest GPU kernels and host ops, and how
+    busy the GPU was. A GPU busy for much less than the wall time means the step waits on the host
+    (launch overhead, syncs, data), not on kernels. Returns (text report, metrics to log)."""
+    events = list(prof.key_averages())
+    kernels = sorted((e for e in events if e.self_device_time_total > 0), key=lambda e: e.self_device_time_total,
+                     reverse=True)
+    host_ops = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)
+    gpu_busy_s = sum(e.self_device_time_total for e in kernels) / 1e6
+    lines = [f"wall {wall_s:.4f} s, GPU kernels {gpu_busy_s:.4f} s ({100 * gpu_busy_s / wall_s:.0f} % of the wall time)",
+             "", f"GPU kernels by self time (top {count}):"]
+    lines += [f"  {e.self_device_time_total / 1e3:10.2f} ms {e.count:7d} calls  {e.key[:110]}" for e in kernels[:count]]
+    lines += ["", f"host ops by self CPU time (top {count}):"]
+    lines += [f"  {e.self_cpu_time_total / 1e3:10.2f} ms {e.count:7d} calls  {e.key[:110]}" for e in host_ops[:count]]
+    return "\n".join(lines) + "\n", {"profile/gpu_busy_s": gpu_busy_s, "profile/wall_s": wall_s}
+
+
 def peak_memory_gib(device: torch.device) -> float:
     """Peak allocated CUDA memory since the last reset, or the process's peak RSS on CPU."""
     if device.type == "cuda":

@@ -52,7 +52,7 @@ from train.checkpoint import (
 )
 from train.config import ConfigError, check_parallel_layout, deepspeed_config, validate_config
 from train.data import MicroBatchSampler, PackedDataset
-from train.metrics import BackendComparison, KernelTimer, MetricsLog, peak_memory_gib
+from train.metrics import BackendComparison, KernelTimer, MetricsLog, peak_memory_gib, profile_summary
 from train.prepare_data import build_embedded_dataset
 from train.schedule import warmup_cosine_scheduler
 
@@ -187,6 +187,24 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def start_profiler(device: torch.device):
+    """torch.profiler over one step (host ops, and GPU kernels on CUDA), already recording."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    profiler = profile(activities=activities)
+    profiler.__enter__()
+    return profiler
+
+
+def write_profile(profiler, step_time: float, path: Path) -> dict:
+    profiler.__exit__(None, None, None)
+    report, record = profile_summary(profiler, step_time)
+    path.write_text(report)
+    log.info(f"profile of this step written to {path}")
+    return record
+
+
 def train_step(engine, sampler: MicroBatchSampler, data_position: int, accumulation: int, device: torch.device,
                timer: KernelTimer | None) -> torch.Tensor:
     """Forward and backward over this rank's micro-batches, then the optimizer step (DeepSpeed
@@ -311,11 +329,13 @@ def train(cfg: DictConfig) -> int:
             lr = engine.get_lr()[0]
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
+            profiler = start_profiler(device) if step == cfg.benchmark.profile_step and rank == 0 else None
             synchronize(device)
             step_start = time.perf_counter()
             loss_sum = train_step(engine, sampler, state.data_position, train_cfg.gradient_accumulation, device, timer)
             synchronize(device)
             step_time = time.perf_counter() - step_start
+            profile_record = write_profile(profiler, step_time, run_dir / f"profile-step{step}.txt") if profiler else {}
 
             state.step = step
             state.data_position += train_cfg.gradient_accumulation * dp_size
@@ -340,6 +360,7 @@ def train(cfg: DictConfig) -> int:
                 **({"peak_memory_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30}
                    if device.type == "cuda" else {}),
                 "tokens_seen": state.tokens_seen,
+                **profile_record,
             }
             if timer is not None:
                 kernel_times = timer.collect()
