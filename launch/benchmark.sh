@@ -7,7 +7,7 @@
 # TP (default 1) ranks split each layer's heads; NUM_GPUS (default TP) processes start, by torchrun
 # when more than one, so NUM_GPUS / TP ranks are data parallel. Extra arguments are Hydra overrides.
 # Writes $RUNS/<size>-<tokens>-<backend>[-tp<TP>[sp]][-<N>gpu]/metrics.jsonl (its last line is the
-# run summary) and copies it to $OUT when that is set.
+# run summary) and copies it, with any profile-stepN.txt (benchmark.profile_step=N), to $OUT when set.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SIZE=${1:?usage: launch/benchmark.sh SIZE TOKENS BACKEND[,BACKEND] [overrides...]}
@@ -57,4 +57,7 @@ rm -rf "$RUN_DIR"
     run_dir="$RUN_DIR" "$@"
 if [ -n "${OUT:-}" ]; then
     cp "$RUN_DIR/metrics.jsonl" "$OUT/metrics-$NAME.jsonl"
+    for profile in "$RUN_DIR"/profile-step*.txt; do   # from benchmark.profile_step=N
+        [ -f "$profile" ] && cp "$profile" "$OUT/$NAME-$(basename "$profile")"
+    done
 fi
