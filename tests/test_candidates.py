@@ -8,7 +8,7 @@ from flashqla.hopper import candidates
 @pytest.fixture(autouse=True)
 def two_candidates(monkeypatch):
     """The switch's behaviour does not depend on which candidates are in the tree today."""
-    monkeypatch.setattr(candidates, "NAMES", ("grouped_products", "pipelined_backward"))
+    monkeypatch.setattr(candidates, "NAMES", ("forward_candidate", "backward_candidate"))
 
 
 def test_off_by_default(monkeypatch):
@@ -18,25 +18,25 @@ def test_off_by_default(monkeypatch):
 
 
 def test_environment_turns_candidates_on(monkeypatch):
-    monkeypatch.setenv(candidates.ENV_VAR, " grouped_products, ")
-    assert candidates.enabled("grouped_products")
-    assert not candidates.enabled("pipelined_backward")
+    monkeypatch.setenv(candidates.ENV_VAR, " forward_candidate, ")
+    assert candidates.enabled("forward_candidate")
+    assert not candidates.enabled("backward_candidate")
 
 
 def test_unknown_name_in_environment_is_named(monkeypatch):
-    monkeypatch.setenv(candidates.ENV_VAR, "grouped_products,fastest")
-    with pytest.raises(ValueError, match=r"FLASHQLA_CANDIDATES.*'fastest'.*grouped_products"):
+    monkeypatch.setenv(candidates.ENV_VAR, "forward_candidate,fastest")
+    with pytest.raises(ValueError, match=r"FLASHQLA_CANDIDATES.*'fastest'.*forward_candidate"):
         candidates.chosen()
 
 
 def test_use_scopes_and_overrides_the_environment(monkeypatch):
-    monkeypatch.setenv(candidates.ENV_VAR, "grouped_products")
-    with candidates.use("pipelined_backward"):
-        assert candidates.chosen() == ("pipelined_backward",)
+    monkeypatch.setenv(candidates.ENV_VAR, "forward_candidate")
+    with candidates.use("backward_candidate"):
+        assert candidates.chosen() == ("backward_candidate",)
         with candidates.use():
             assert candidates.chosen() == ()
-        assert candidates.chosen() == ("pipelined_backward",)
-    assert candidates.chosen() == ("grouped_products",)
+        assert candidates.chosen() == ("backward_candidate",)
+    assert candidates.chosen() == ("forward_candidate",)
     with pytest.raises(ValueError, match="'nope'"):
         with candidates.use("nope"):
             pass
@@ -64,8 +64,8 @@ def test_backward_runs_the_kernels_its_forward_chose(monkeypatch):
     q, k = torch.randn(1, 4, 1, 8), torch.randn(1, 4, 1, 8)
     v = torch.randn(1, 4, 1, 8, requires_grad=True)
     g, beta = torch.zeros(1, 4, 1), torch.ones(1, 4, 1)
-    with candidates.use("pipelined_backward"):
+    with candidates.use("backward_candidate"):
         o, _ = api.HopperGatedDeltaRule.apply(q, k, v, g, beta, 1.0, None, False, None, None)
     o.sum().backward()  # outside the block: must still run the forward's choice
-    assert seen == {"forward": ("pipelined_backward",), "backward": ("pipelined_backward",)}
+    assert seen == {"forward": ("backward_candidate",), "backward": ("backward_candidate",)}
     assert torch.equal(v.grad, torch.ones_like(v))

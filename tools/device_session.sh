@@ -36,7 +36,7 @@ export PYTHONUNBUFFERED=1 WANDB_MODE=disabled TRITON_CACHE_DIR=/tmp/tritoncache 
 mkdir -p "$TRITON_CACHE_DIR"
 [ -f .devkit/tritoncache.tgz ] && tar -xzf .devkit/tritoncache.tgz -C /tmp
 SUMMARY=()
-CANDIDATE_TESTS=(tests/test_hopper_backward_pipelined.py tests/test_hopper_grouped_products.py)
+CANDIDATE_TESTS=(tests/test_hopper_backward_chunk_grads.py tests/test_hopper_grouped_products.py)
 BENCH_CANDIDATES=${BENCH_CANDIDATES:-0}
 
 left() { echo $((BUDGET_S - (SECONDS - STARTED))); }

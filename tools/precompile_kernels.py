@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import inspect
 import os
 import subprocess
 import sys
@@ -106,20 +105,17 @@ def compile_flashqla(shapes) -> None:
             print(f"flashqla {name}: {time.time() - started:.0f} s", flush=True)
 
 
-def compile_ours(shapes, like_the_model: bool = False, with_initial_state: bool = True, dtype_name: str = "bfloat16",
-                 candidates: bool = False):
+def compile_ours(shapes, like_the_model: bool = False, with_initial_state: bool = True, dtype_name: str = "bfloat16"):
     """Our forward and backward entries on CPU tensors, kernels skipped (they pick BV etc. per shape).
 
     like_the_model: inputs as the model's GDN layer passes them (bf16 beta, no initial state, no
-    final state, dense [1, T] without cu_seqlens) instead of the bench's. candidates: also the
-    candidate backward (`pipelined=True`), which the GPU tests run beside the default one."""
+    final state, dense [1, T] without cu_seqlens) instead of the bench's."""
     import torch
 
     from flashqla import hopper
     from flashqla.hopper.backward import backward
 
     dtype = getattr(torch, dtype_name)
-    with_candidates = candidates and "pipelined" in inspect.signature(backward).parameters
     for name, heads, seq_lens in shapes:
         started = time.time()
         x = cpu_inputs(heads, seq_lens, requires_grad=False)
@@ -132,8 +128,6 @@ def compile_ours(shapes, like_the_model: bool = False, with_initial_state: bool 
             d_state = torch.randn_like(x["initial_state"])
         hopper.forward(q, k, v, x["g"], beta, None, h0, not like_the_model, cu)
         backward(q, k, v, x["g"], beta, 128 ** -0.5, h0, cu, torch.randn_like(v), d_state)
-        if with_candidates:
-            backward(q, k, v, x["g"], beta, 128 ** -0.5, h0, cu, torch.randn_like(v), d_state, pipelined=True)
         variant = "as the model calls it" if like_the_model else f"{dtype_name}, h0={with_initial_state}"
         print(f"ours {name} ({variant}): {time.time() - started:.0f} s", flush=True)
 
@@ -231,7 +225,7 @@ def main(argv=None) -> None:
     if not args.skip_ours:
         compile_ours(shapes)
         compile_ours(model_shapes, like_the_model=True)
-        compile_ours(test_shapes, with_initial_state=False, candidates=True)
+        compile_ours(test_shapes, with_initial_state=False)
         if test_shapes:
             compile_ours([("4/16 777+1536", (4, 16), [777, 1536])], dtype_name="float16")
             compile_checks()

@@ -4,6 +4,8 @@
 when asked). Kernel files: cumsum.py (chunk-local cumsum of g), inverse.py (gate-free inverse per
 chunk, and the gated products the fused kernel reads), fused_forward.py (o and final state),
 chunk_states.py (state-only X/Y recurrence), chunk_plan.py (pieces, V split; plans cached by cu_seqlens),
+backward.py (the backward's entry: backward_state_grads.py walks the state gradients,
+backward_chunk_grads.py computes the per-chunk gradients),
 candidates.py (which kernels in the tree are still candidates, and the switch that turns them on).
 """
 

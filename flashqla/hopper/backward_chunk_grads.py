@@ -1,10 +1,13 @@
-"""Candidate fused chunk-parallel backward: persistent CTAs with TMA loads that overlap compute.
+"""Chunk-parallel gradients of the chunked gated delta rule (gdn-kernels.md section 3).
 
-Same math as backward_fused.py (gdn-kernels.md section 3), same inputs and outputs, one
-(chunk, value head) task at a time, but:
+With the state entering every chunk (S0, from the state-only kernel) and the state gradient
+leaving it (dS1, from backward_state_grads.py) every chunk is independent, so the heavy part of
+the backward fills the GPU even with few heads. A task is one (chunk, value head): it reads q, k,
+v, dO, gamma, beta, A~, S0, dS1 and writes dv, dg, dbeta and this value head's dq, dk (summed
+over each head group in backward.py). What keeps the SM busy:
 
-- one CTA per SM walks the tasks worker, worker + W, worker + 2W, ... (W = number of CTAs), so an
-  SM never waits for a new CTA to start and load from scratch;
+- one persistent CTA per SM walks the tasks worker, worker + W, worker + 2W, ... (W = number of
+  CTAs), so an SM never waits for a new CTA to start and load from scratch;
 - every tile arrives by TMA (no per-thread synchronous copies), in two groups with their own
   mbarrier: group A (q, k, A~, dO) and group B (v, S0, dS1);
 - the products that read S0 and dS1 come first (U, W, Delta, dDelta, dv, dq's S0 term, dk's
@@ -18,7 +21,7 @@ Same math as backward_fused.py (gdn-kernels.md section 3), same inputs and outpu
 Every refill is issued by one elected thread after a block-wide barrier that follows the last read
 of the buffers it overwrites (TileLang's gemm waits for its wgmma before returning), and each
 group's barrier is waited on before the first read. No buffer written by TMA shares shared memory
-with any other buffer (tests/test_hopper_backward_pipelined.py checks the generated offsets).
+with any other buffer (tests/test_hopper_backward_chunk_grads.py checks the generated offsets).
 """
 
 import functools
@@ -37,7 +40,7 @@ HEAD_DIM = 128
 TMA_BUFFERS = ("q_s", "k_s", "inv_s", "do_s", "w_s", "s0_s", "ds_s")
 
 
-def pipelined_backward_program():
+def chunk_grads_program():
     """Kernel for K = V = 128, bf16 operands, float32 gamma and beta; head counts, lengths, scale
     and the number of CTAs are run-time values."""
     K = V = HEAD_DIM
@@ -50,7 +53,7 @@ def pipelined_backward_program():
     f32 = "float32"
 
     @T.prim_func
-    def pipelined_backward_kernel(
+    def chunk_grads_kernel(
         q: T.Tensor((num_tokens, num_qk_heads, K), op),
         k: T.Tensor((num_tokens, num_qk_heads, K), op),
         v: T.Tensor((num_tokens, num_v_heads, V), op),
@@ -359,12 +362,12 @@ def pipelined_backward_program():
                 # The next task overwrites the small shared arrays read just above.
                 T.sync_threads()
 
-    return pipelined_backward_kernel
+    return chunk_grads_kernel
 
 
 @functools.lru_cache(maxsize=None)
-def compile_pipelined_backward():
-    return tilelang.compile(pipelined_backward_program(), target=HOPPER_TARGET,
+def compile_chunk_grads():
+    return tilelang.compile(chunk_grads_program(), target=HOPPER_TARGET,
                             pass_configs={tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True})
 
 
@@ -377,9 +380,17 @@ def chunk_bounds(cu_seqlens: torch.Tensor, chunk_index: torch.Tensor) -> torch.T
     return torch.stack([start, length], dim=1).to(torch.int32).contiguous()
 
 
-def pipelined_backward(q, k, v, gamma, beta, inverse, chunk_states, chunk_state_grads, do, scale, cu_seqlens,
+def chunk_gradients(q, k, v, gamma, beta, inverse, chunk_states, chunk_state_grads, do, scale, cu_seqlens,
                        chunk_index, num_workers: int | None = None):
-    """Same contract as backward_fused.fused_backward; num_workers (CTAs) defaults to the SM count."""
+    """Run the kernel on flattened inputs; returns (dq, dk per value head, dv, dg, dbeta).
+
+    q, k: [T, Hqk, 128] bf16; v, do: [T, Hv, 128] bf16; gamma (chunk-local cumsum), beta: [T, Hv] fp32;
+    inverse: [T, Hv, 64] bf16; chunk_states (entering each chunk), chunk_state_grads (leaving it):
+    [num_chunks, Hv, 128, 128] bf16 in chunk_index order; cu_seqlens: int32 [N + 1];
+    chunk_index: int32 [num_chunks, 2] (sequence, chunk within it); num_workers (CTAs) defaults to
+    the SM count.
+    dq, dk, dv: bf16 [T, Hv, 128]; dg, dbeta: float32 [T, Hv].
+    """
     num_tokens, _, head_dim = q.shape
     num_v_heads = v.shape[1]
     f32 = dict(dtype=torch.float32, device=q.device)
@@ -395,7 +406,7 @@ def pipelined_backward(q, k, v, gamma, beta, inverse, chunk_states, chunk_state_
             num_workers = device_sm_count(q.device)
         num_workers = max(1, min(num_workers, num_chunks * num_v_heads))
         bounds = chunk_bounds(cu_seqlens, chunk_index)
-        kernel = compile_pipelined_backward()
+        kernel = compile_chunk_grads()
         kernel(q, k, v, gamma, beta, inverse, chunk_states, chunk_state_grads, do, bounds, dq_head, dk_head, dv, dg,
                dbeta, float(scale), num_workers)
     return dq_head, dk_head, dv, dg, dbeta

@@ -7,9 +7,10 @@ The state gradient obeys its own reverse recurrence, independent of the forward 
 
 Ab and Pm come precomputed for every chunk (inverse.gated_products), so the walk holds only the
 dS-dependent products. One CTA per (V block, value head, sequence) walks the chunks in reverse
-with dS (K x BV, float32) in registers, loads pipelined one chunk ahead, stores the gradient leaving every chunk (dS1, bf16) for the chunk-parallel kernel
-(backward_fused.py), and writes dh0. Columns of dS are independent, so V blocks add parallelism
-at no extra cost on the critical path.
+with dS (K x BV, float32) in registers, loads pipelined one chunk ahead, stores the gradient
+leaving every chunk (dS1, bf16) for the chunk-parallel kernel (backward_chunk_grads.py), and
+writes dh0. Columns of dS are independent, so V blocks add parallelism at no extra cost on the
+critical path.
 """
 
 import functools

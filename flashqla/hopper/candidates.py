@@ -11,8 +11,9 @@ from __future__ import annotations
 import contextlib
 import os
 
-# None at present: grouped_products and pipelined_backward became the defaults after the H200 run
-# of 2026-11-30 (correct on the whole test grid, faster on every shape timed).
+# None at present: grouped_products and the persistent chunk-gradient kernel (backward_chunk_grads.py)
+# became the defaults after the H200 run of 2026-11-30 (correct on the whole test grid, faster on
+# every shape timed).
 NAMES: tuple[str, ...] = ()
 ENV_VAR = "FLASHQLA_CANDIDATES"
 _chosen: tuple[str, ...] | None = None  # set by use(); None: read the environment
