@@ -171,3 +171,17 @@ def test_walk_starts_from_the_plan_index_equal_the_direct_computation(bounds, th
     if plan.max_walk_back > 0 and threshold == -2.0:
         starts = plan.pieces[:, 1].tolist()
         assert any(w < s for row, s in zip(planned.tolist(), starts) for w in row)   # some pieces walk back
+
+
+def test_chunk_states_takes_the_plans_offsets_only_with_their_chunk_count():
+    """offsets without num_chunks (or the reverse) would size the states from a guess: refused."""
+    from flashqla.hopper.chunk_plan import chunk_offsets
+    from flashqla.hopper.chunk_states import chunk_states
+
+    cu = torch.tensor([0, 100, 164], dtype=torch.int32)
+    k, v = torch.zeros(164, 1, 128, dtype=torch.bfloat16), torch.zeros(164, 1, 128, dtype=torch.bfloat16)
+    gamma, beta, inverse = torch.zeros(164, 1), torch.zeros(164, 1), torch.zeros(164, 1, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="offsets and num_chunks together"):
+        chunk_states(k, v, gamma, beta, inverse, None, cu, offsets=chunk_offsets(cu))
+    with pytest.raises(ValueError, match="offsets and num_chunks together"):
+        chunk_states(k, v, gamma, beta, inverse, None, cu, num_chunks=3)

@@ -36,7 +36,9 @@ export PYTHONUNBUFFERED=1 WANDB_MODE=disabled TRITON_CACHE_DIR=/tmp/tritoncache 
 mkdir -p "$TRITON_CACHE_DIR"
 [ -f .devkit/tritoncache.tgz ] && tar -xzf .devkit/tritoncache.tgz -C /tmp
 SUMMARY=()
-CANDIDATE_TESTS=(tests/test_hopper_backward_chunk_grads.py tests/test_hopper_grouped_products.py)
+# Test files of the kernels listed in flashqla/hopper/candidates.py (none at present: both candidates of
+# 2026-11-30 became defaults, and their tests run in `tests`).
+CANDIDATE_TESTS=()
 BENCH_CANDIDATES=${BENCH_CANDIDATES:-0}
 
 left() { echo $((BUDGET_S - (SECONDS - STARTED))); }
@@ -80,10 +82,14 @@ run_part() {
     case $1 in
     tests)
         step env 30 10 bash -c 'nvidia-smi; '"$PYTHON"' -c "import torch, triton, tilelang; print(torch.__version__, triton.__version__, tilelang.__version__, torch.cuda.get_device_name())"'
-        step pytest-gpu 420 120 "$PYTHON" -m pytest -m gpu -q -rfE -p no:cacheprovider --timeout=300 \
-            "${CANDIDATE_TESTS[@]/#/--ignore=}" tests/
+        step pytest-gpu 540 120 "$PYTHON" -m pytest -m gpu -q -rfE -p no:cacheprovider --timeout=300 \
+            ${CANDIDATE_TESTS[@]+"${CANDIDATE_TESTS[@]/#/--ignore=}"} tests/
         ;;
     candidates)
+        if [ ${#CANDIDATE_TESTS[@]} -eq 0 ]; then
+            SUMMARY+=("$(printf '%-22s %-9s %6s  %s' pytest-candidates SKIPPED - "no candidate kernels")")
+            return 0
+        fi
         # -s keeps the timing prints; the thread method ends the process if a kernel hangs
         step pytest-candidates 240 60 "$PYTHON" -m pytest -m gpu -q -s -rfE -p no:cacheprovider --timeout=90 \
             --timeout-method=thread "${CANDIDATE_TESTS[@]}" && BENCH_CANDIDATES=1

@@ -150,19 +150,25 @@ def _dtype_name(tensor: torch.Tensor) -> str:
 def chunk_states(k: torch.Tensor, v: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor,
                  inverse: torch.Tensor, initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor,
                  value_block: int = 64, states_dtype: torch.dtype = torch.bfloat16,
-                 store_chunk_states: bool = True, with_transition: bool = False):
+                 store_chunk_states: bool = True, with_transition: bool = False,
+                 offsets: torch.Tensor | None = None, num_chunks: int | None = None):
     """States entering every chunk and the final state of each sequence, on flattened inputs.
 
     k: [T, Hqk, K]; v: [T, Hv, V]; gamma (chunk-local cumsum, fp32), beta: [T, Hv];
     inverse: [T, Hv, 64] bf16; initial_state: [N, Hv, K, V] fp32 or None; cu_seqlens: int32 [N+1].
     Returns (chunk_states [num_chunks, Hv, K, V] or None, final_state [N, Hv, K, V] fp32,
     transition [N, Hv, K, K] fp32 or None); chunk c of sequence n is row chunk_offsets[n] + c.
+    offsets, num_chunks: chunk_offsets(cu_seqlens) and its last entry, when the caller holds them
+    (a plan's); saves a device->host read.
     """
     num_tokens, num_qk_heads, head_dim = k.shape
     num_v_heads = v.shape[1]
     num_sequences = cu_seqlens.numel() - 1
-    offsets = chunk_offsets(cu_seqlens)
-    total_chunks = int(offsets[-1].item())
+    if (offsets is None) != (num_chunks is None):
+        raise ValueError("chunk_states: pass offsets and num_chunks together, or neither")
+    if offsets is None:
+        offsets = chunk_offsets(cu_seqlens)
+        num_chunks = int(offsets[-1].item())
     device = k.device
     use_initial_state = initial_state is not None
     if initial_state is None:
@@ -170,7 +176,7 @@ def chunk_states(k: torch.Tensor, v: torch.Tensor, gamma: torch.Tensor, beta: to
     final_state = torch.empty(num_sequences, num_v_heads, head_dim, head_dim, dtype=torch.float32, device=device)
     transition = torch.empty((num_sequences if with_transition else 1), num_v_heads, head_dim, head_dim,
                              dtype=torch.float32, device=device)
-    states = torch.empty((max(total_chunks, 1) if store_chunk_states else 1), num_v_heads, head_dim, head_dim,
+    states = torch.empty((max(num_chunks, 1) if store_chunk_states else 1), num_v_heads, head_dim, head_dim,
                          dtype=states_dtype, device=device)
     kernel = compile_chunk_states(value_block, _dtype_name(k), _dtype_name(beta),
                                   head_dim, use_initial_state, store_chunk_states, _dtype_name(states),
