@@ -204,9 +204,10 @@ def check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, cu_seqlens_
     if cu_seqlens_cpu is not None:
         if cu_seqlens is None:
             raise ValueError("cu_seqlens_cpu was given without cu_seqlens; pass both (the same offsets) or neither")
-        if not isinstance(cu_seqlens_cpu, torch.Tensor) or cu_seqlens_cpu.device.type != "cpu":
-            where = cu_seqlens_cpu.device if isinstance(cu_seqlens_cpu, torch.Tensor) else type(cu_seqlens_cpu).__name__
-            raise ValueError(f"cu_seqlens_cpu must be an integer tensor on the CPU, got {where}")
+        if not isinstance(cu_seqlens_cpu, torch.Tensor):
+            raise TypeError(f"cu_seqlens_cpu must be an integer torch.Tensor on the CPU, got {type(cu_seqlens_cpu).__name__}")
+        if cu_seqlens_cpu.device.type != "cpu":
+            raise ValueError(f"cu_seqlens_cpu must be an integer tensor on the CPU, got one on {cu_seqlens_cpu.device}")
         if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens_cpu.shape != cu_seqlens.shape:
             raise ValueError(f"cu_seqlens_cpu must have cu_seqlens' shape {tuple(cu_seqlens.shape)}, "
                              f"got {tuple(cu_seqlens_cpu.shape)}")
@@ -240,11 +241,12 @@ def _check_cu_seqlens(cu_seqlens, batch: int, seq_len: int, device: torch.device
         raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but q is on {device}")
     if host_copy is not None and host_copy.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"cu_seqlens_cpu must have dtype int32 or int64, got {host_copy.dtype}")
-    bounds = (cu_seqlens if host_copy is None else host_copy).tolist()
+    # the bounds are read from the host copy when there is one, so errors name it
+    name, bounds = ("cu_seqlens", cu_seqlens.tolist()) if host_copy is None else ("cu_seqlens_cpu", host_copy.tolist())
     if bounds[0] != 0 or bounds[-1] != seq_len:
         raise ValueError(
-            f"cu_seqlens must start at 0 and end at T = {seq_len}, got first {bounds[0]} and last {bounds[-1]}"
+            f"{name} must start at 0 and end at T = {seq_len}, got first {bounds[0]} and last {bounds[-1]}"
         )
     if any(b < a for a, b in zip(bounds, bounds[1:])):
-        raise ValueError(f"cu_seqlens must be non-decreasing, got {bounds if len(bounds) <= 16 else bounds[:16] + ['...']}")
+        raise ValueError(f"{name} must be non-decreasing, got {bounds if len(bounds) <= 16 else bounds[:16] + ['...']}")
     return bounds

@@ -58,6 +58,6 @@ rm -rf "$RUN_DIR"
 if [ -n "${OUT:-}" ]; then
     cp "$RUN_DIR/metrics.jsonl" "$OUT/metrics-$NAME.jsonl"
     for profile in "$RUN_DIR"/profile-step*.txt; do   # from benchmark.profile_step=N
-        [ -f "$profile" ] && cp "$profile" "$OUT/$NAME-$(basename "$profile")"
+        if [ -f "$profile" ]; then cp "$profile" "$OUT/$NAME-$(basename "$profile")"; fi
     done
 fi

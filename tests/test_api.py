@@ -78,13 +78,15 @@ def _bad_cases():
         "cu_seqlens_cpu alone": (dict(cu_seqlens=None, cu_seqlens_cpu=torch.tensor([0, 10, 16]), initial_state=None),
                                  ValueError, "cu_seqlens_cpu was given without cu_seqlens"),
         "cu_seqlens_cpu off the CPU": (dict(cu_seqlens_cpu=torch.tensor([0, 10, 16]).to("meta")), ValueError,
-                                       "cu_seqlens_cpu must be an integer tensor on the CPU, got meta"),
+                                       "cu_seqlens_cpu must be an integer tensor on the CPU, got one on meta"),
+        "cu_seqlens_cpu a list": (dict(cu_seqlens_cpu=[0, 10, 16]), TypeError,
+                                  "cu_seqlens_cpu must be an integer torch.Tensor on the CPU, got list"),
         "cu_seqlens_cpu shape": (dict(cu_seqlens_cpu=torch.tensor([0, 16])), ValueError,
                                  r"cu_seqlens_cpu must have cu_seqlens' shape \(3,\), got \(2,\)"),
         "float cu_seqlens_cpu": (dict(cu_seqlens_cpu=torch.tensor([0.0, 10.0, 16.0])), TypeError,
                                  "cu_seqlens_cpu must have dtype int32 or int64, got torch.float32"),
         "cu_seqlens_cpu short of T": (dict(cu_seqlens_cpu=torch.tensor([0, 10, 15])), ValueError,
-                                      "end at T = 16, got first 0 and last 15"),
+                                      "cu_seqlens_cpu must start at 0 and end at T = 16, got first 0 and last 15"),
     }
 
 

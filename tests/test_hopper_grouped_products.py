@@ -210,9 +210,9 @@ def test_grouped_products_are_bitwise_deterministic(heads):
 @pytest.mark.parametrize("lengths", list(LENGTHS), ids=list(LENGTHS))
 @pytest.mark.parametrize("heads", HEAD_LAYOUTS, ids=HEAD_IDS)
 def test_forward_with_grouped_products_matches_float64_reference(monkeypatch, heads, lengths, with_initial_state):
-    """The whole Hopper forward with the candidate switched on in place of the current products kernel."""
+    """The whole Hopper forward, which takes the grouped products kernel by default."""
     from flashqla import hopper
-    from flashqla.hopper import candidates, inverse
+    from flashqla.hopper import inverse
 
     calls = []
     compile_grouped = inverse.compile_grouped_products
@@ -225,11 +225,10 @@ def test_forward_with_grouped_products_matches_float64_reference(monkeypatch, he
     seed = heads[1] * 10 + list(LENGTHS).index(lengths)
     inputs = make_inputs(LENGTHS[lengths], *heads, with_initial_state, seed=seed)
     poison_allocator()
-    with candidates.use("grouped_products"):
-        o, final_state = hopper.forward(inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"], None,
-                                        inputs["initial_state"], True, inputs["cu_seqlens"])
+    o, final_state = hopper.forward(inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"], None,
+                                    inputs["initial_state"], True, inputs["cu_seqlens"])
     torch.cuda.synchronize()
-    assert calls, "candidates.use('grouped_products') did not route hopper.forward to the grouped kernel"
+    assert calls, "hopper.forward did not run the grouped products kernel (the default when Hv / Hqk <= 8)"
     assert torch.isfinite(o).all() and torch.isfinite(final_state).all()
     ref_o, ref_state = float64_reference(inputs)
     err_o, err_state = relative_error(o, ref_o), relative_error(final_state, ref_state)

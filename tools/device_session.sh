@@ -23,6 +23,8 @@
 # Writes under $OUT: summary.txt, logs.tgz (every step's log and metrics), bench.json (bench),
 # tritoncache.tgz (Triton's cache, restored from .devkit/tritoncache.tgz next call); setup.sh adds
 # tlcache.tgz. Prints the summary table last. BUDGET_S (default 560) bounds the whole script.
+# The train parts take STEPS (launch/benchmark.sh's step count), TRAIN_TIMEOUT_S (per run, default 240)
+# and TRAIN_OVERRIDES (extra Hydra overrides, e.g. benchmark.profile_step=5).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/device-out}
@@ -53,7 +55,7 @@ step() {
     budget=$(left)
     if [ "$budget" -lt "$least" ]; then
         SUMMARY+=("$(printf '%-22s %-9s %6s  %s' "$name" "SKIPPED" "-" "${budget}s left, needs ${least}s")")
-        return
+        return 1
     fi
     [ "$limit" -gt "$budget" ] && limit=$budget
     echo "=== $name (limit ${limit}s) ==="
@@ -75,7 +77,7 @@ step() {
 train_run() {  # train_run NAME SIZE TOKENS BACKENDS: metrics land in $LOGS via benchmark.sh's $OUT
     local name=$1
     shift
-    step "$name" "${TRAIN_TIMEOUT_S:-240}" 150 env OUT="$LOGS" launch/benchmark.sh "$@"
+    step "$name" "${TRAIN_TIMEOUT_S:-240}" 150 env OUT="$LOGS" launch/benchmark.sh "$@" ${TRAIN_OVERRIDES:-}
 }
 
 run_part() {

@@ -89,9 +89,12 @@ def profile_summary(prof, wall_s: float, count: int = 30) -> tuple[str, dict]:
     """What one profiled step spent its time on: the costliest GPU kernels and host ops, and how
     busy the GPU was. A GPU busy for much less than the wall time means the step waits on the host
     (launch overhead, syncs, data), not on kernels. Returns (text report, metrics to log)."""
+    from torch.autograd import DeviceType
+
     events = list(prof.key_averages())
-    kernels = sorted((e for e in events if e.self_device_time_total > 0), key=lambda e: e.self_device_time_total,
-                     reverse=True)
+    # GPU kernels only: the CPU ops that launched them carry the same device time
+    kernels = sorted((e for e in events if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0),
+                     key=lambda e: e.self_device_time_total, reverse=True)
     host_ops = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)
     gpu_busy_s = sum(e.self_device_time_total for e in kernels) / 1e6
     lines = [f"wall {wall_s:.4f} s, GPU kernels {gpu_busy_s:.4f} s ({100 * gpu_busy_s / wall_s:.0f} % of the wall time)",
@@ -125,15 +128,18 @@ class BackendComparison:
     def backend_for_step(self, step: int) -> str:
         return self.backends[(step - 1) % len(self.backends)]
 
-    def record(self, step: int, times: dict[str, float]) -> dict[str, float]:
-        """Store this step's times; returns the ratio metrics when `step` closes a cycle."""
+    def record(self, step: int, times: dict[str, float], timed: bool = True) -> dict[str, float]:
+        """Store this step's times; returns the ratio metrics when `step` closes a cycle. A step
+        that is not `timed` (run under the profiler) leaves its whole cycle out."""
         backend = self.backend_for_step(step)
-        self._cycle[backend] = times
-        if step > self.warmup_steps:
+        self._cycle[backend] = times if timed else None
+        if step > self.warmup_steps and timed:
             self.history[backend].append(times)
         if backend != self.backends[-1] or len(self._cycle) != len(self.backends):
             return {}
         cycle, self._cycle = self._cycle, {}
+        if any(times is None for times in cycle.values()):
+            return {}
         return self._ratios(cycle, prefix="compare")
 
     def _ratios(self, times_by_backend: dict[str, dict[str, float]], prefix: str) -> dict[str, float]:
@@ -211,8 +217,8 @@ class MetricsLog:
 
     def log_run_summary(self, records: list[dict], warmup_steps: int) -> None:
         """Medians over this process's steps after the first `warmup_steps` (compilation, allocator
-        warmup), peak memory over all of them: one line in metrics.jsonl and on the console."""
-        timed = records[warmup_steps:] or records
+        warmup) and not profiled, peak memory over all of them: one line in metrics.jsonl and on the console."""
+        timed = [r for r in records[warmup_steps:] if "profile/wall_s" not in r] or records
         if not timed:
             return
         summary = {

@@ -17,7 +17,7 @@ import signal
 import socket
 import sys
 import time
-from contextlib import closing
+from contextlib import closing, nullcontext
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -187,18 +187,18 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def start_profiler(device: torch.device):
-    """torch.profiler over one step (host ops, and GPU kernels on CUDA), already recording."""
+def step_profiler(device: torch.device, enabled: bool):
+    """torch.profiler over one step (host ops, and GPU kernels on CUDA) when enabled, else a no-op
+    context yielding None. Its timings are left out of the run summary and the backend comparison."""
+    if not enabled:
+        return nullcontext()
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    profiler = profile(activities=activities)
-    profiler.__enter__()
-    return profiler
+    return profile(activities=activities)
 
 
 def write_profile(profiler, step_time: float, path: Path) -> dict:
-    profiler.__exit__(None, None, None)
     report, record = profile_summary(profiler, step_time)
     path.write_text(report)
     log.info(f"profile of this step written to {path}")
@@ -329,12 +329,14 @@ def train(cfg: DictConfig) -> int:
             lr = engine.get_lr()[0]
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
-            profiler = start_profiler(device) if step == cfg.benchmark.profile_step and rank == 0 else None
-            synchronize(device)
-            step_start = time.perf_counter()
-            loss_sum = train_step(engine, sampler, state.data_position, train_cfg.gradient_accumulation, device, timer)
-            synchronize(device)
-            step_time = time.perf_counter() - step_start
+            profiled = step == cfg.benchmark.profile_step
+            with step_profiler(device, enabled=profiled and rank == 0) as profiler:
+                synchronize(device)
+                step_start = time.perf_counter()
+                loss_sum = train_step(engine, sampler, state.data_position, train_cfg.gradient_accumulation, device,
+                                      timer)
+                synchronize(device)
+                step_time = time.perf_counter() - step_start
             profile_record = write_profile(profiler, step_time, run_dir / f"profile-step{step}.txt") if profiler else {}
 
             state.step = step
@@ -369,7 +371,7 @@ def train(cfg: DictConfig) -> int:
             if comparison is not None:
                 record["gdn_backend"] = comparison.backend_for_step(step)
                 times = {"step_time_s": step_time, **{k: v for k, v in record.items() if k.startswith("time/")}}
-                record.update(comparison.record(step, times))
+                record.update(comparison.record(step, times, timed=not profiled))
             if metrics is not None:
                 metrics.log(record)
                 step_records.append(record)

@@ -56,11 +56,11 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seq
     cu_seqlens = cu_seqlens.to(device=device, dtype=torch.int32).contiguous()
     num_sequences = cu_seqlens.numel() - 1
     sm_count = device_sm_count(device)
+    if cu_seqlens_host is None:
+        cu_seqlens_host = cu_seqlens.tolist()
     # The forward's plan, from its cache (same key as the forward's): chunk index and offsets.
     plan = plan_forward(cu_seqlens, num_v_heads, HEAD_DIM, sm_count, FORWARD_MAX_VALUE_BLOCK,
                         host_bounds=cu_seqlens_host)
-    if cu_seqlens_host is None:
-        cu_seqlens_host = cu_seqlens.tolist()
 
     # The kernels read bf16 operands; float16 inputs are converted once here.
     def flat(x, heads):
