@@ -65,24 +65,33 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             stats[0, start:end] = torch.logsumexp(logits, dim=-1)
             stats[1, start:end] = logits.gather(1, local_labels[start:end, None])[:, 0] * label_here[start:end]
             del logits
+        local_logsumexp, local_target_logit = stats[0], stats[1]
         if group is not None and dist.get_world_size(group) > 1:
             gathered = [torch.empty_like(stats) for _ in range(dist.get_world_size(group))]
             dist.all_gather(gathered, stats, group=group)
             all_stats = torch.stack(gathered)
             logsumexp, target_logit = torch.logsumexp(all_stats[:, 0], dim=0), all_stats[:, 1].sum(0)
         else:
-            logsumexp, target_logit = stats[0], stats[1]
+            logsumexp, target_logit = local_logsumexp, local_target_logit
         loss_sum = ((logsumexp - target_logit) * valid).sum()
-        ctx.save_for_backward(hidden, weight, local_labels, label_here, valid, logsumexp, num_valid)
+        ctx.save_for_backward(hidden, weight, local_labels, label_here, valid, logsumexp, local_logsumexp,
+                              local_target_logit, num_valid)
         ctx.chunk_size = chunk_size
         return loss_sum / num_valid.clamp(min=1)
 
     @staticmethod
     def backward(ctx, grad_loss):
-        hidden, weight, local_labels, label_here, valid, logsumexp, num_valid = ctx.saved_tensors
-        # d loss / d logits = (softmax over the whole vocabulary - onehot) * valid * grad / num_valid
+        (hidden, weight, local_labels, label_here, valid, logsumexp, local_logsumexp, local_target_logit,
+         num_valid) = ctx.saved_tensors
+        # d loss / d logits = (softmax over the whole vocabulary - onehot) * valid * grad / num_valid.
+        # The softmax of this chunk's rows is taken in the logits' dtype (computed in float32 inside,
+        # one read and one write of the chunk) and rescaled from these vocabulary rows to all of
+        # them by exp(local lse - lse); the target column, where softmax - 1 can cancel, comes in
+        # float32 from the saved target logit.
         accumulate = logsumexp.dtype
         row_scale = valid.to(accumulate) * (grad_loss.to(accumulate) / num_valid.clamp(min=1))
+        softmax_scale = row_scale * torch.exp(local_logsumexp - logsumexp)
+        target_grad = (torch.exp(local_target_logit - logsumexp) - 1) * row_scale * label_here
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         # accumulate the weight gradient in float32 across chunks, round once at the end
         grad_weight = torch.zeros(weight.shape, dtype=accumulate, device=weight.device) \
@@ -90,12 +99,13 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             end = min(start + ctx.chunk_size, hidden.shape[0])
             h = hidden[start:end]
-            grad_logits = (h @ weight.t()).to(accumulate)
-            grad_logits.sub_(logsumexp[start:end, None]).exp_()
+            grad_logits = torch.softmax(h @ weight.t(), dim=-1)
+            grad_logits.mul_(softmax_scale[start:end, None])
             rows = torch.arange(end - start, device=hidden.device)
-            grad_logits[rows, local_labels[start:end]] -= label_here[start:end].to(accumulate)
-            grad_logits.mul_(row_scale[start:end, None])
-            grad_logits = grad_logits.to(weight.dtype)
+            here = label_here[start:end]
+            columns = local_labels[start:end]
+            grad_logits[rows, columns] = torch.where(here, target_grad[start:end].to(grad_logits.dtype),
+                                                     grad_logits[rows, columns])
             if grad_hidden is not None:
                 grad_hidden[start:end] = grad_logits @ weight
             if grad_weight is not None:

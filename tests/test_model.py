@@ -129,6 +129,31 @@ def test_chunked_cross_entropy_matches_full_cross_entropy(chunk_size):
         assert torch.allclose(grad, expected_grad, rtol=1e-10, atol=1e-12)
 
 
+def test_chunked_cross_entropy_bf16_gradients_stay_accurate_for_confident_rows():
+    """bf16 takes the fast backward (softmax in the logits' dtype); rows whose target has p ~ 1
+    must keep their small p - 1, which rounding the softmax first would destroy."""
+    generator = torch.Generator().manual_seed(3)
+    hidden = torch.randn(64, 32, generator=generator).to(torch.bfloat16)
+    weight = (torch.randn(500, 32, generator=generator) / 4).to(torch.bfloat16)
+    labels = torch.randint(0, 500, (64,), generator=generator)
+    hidden[:8] = (weight[labels[:8]].float() * 8).to(torch.bfloat16)  # p(target) close to 1 on 8 rows
+    labels[-4:] = -100
+
+    def grads(h, w):
+        h, w = h.clone().requires_grad_(), w.clone().requires_grad_()
+        loss = chunked_cross_entropy(h, w, labels, chunk_size=24)
+        return (loss, *torch.autograd.grad(loss, (h, w)))
+
+    loss, grad_hidden, grad_weight = grads(hidden, weight)
+    ref_loss, ref_hidden, ref_weight = grads(hidden.double(), weight.double())
+    probabilities = torch.softmax(hidden.double() @ weight.double().t(), -1)
+    assert (probabilities[torch.arange(8), labels[:8]] > 0.99).sum() >= 6
+    assert relative_error(loss, ref_loss) <= 1e-3
+    assert relative_error(grad_hidden, ref_hidden) <= 1e-2
+    assert relative_error(grad_weight, ref_weight) <= 1e-2
+    assert relative_error(grad_hidden[:8], ref_hidden[:8]) <= 2e-2
+
+
 def test_chunked_cross_entropy_with_every_label_ignored_is_zero():
     hidden = torch.randn(8, 4, requires_grad=True)
     weight = torch.randn(5, 4, requires_grad=True)
