@@ -1,9 +1,9 @@
-"""The grouped products candidate (flashqla/hopper/grouped_products.py) against float64 and the current kernel.
+"""The grouped products kernel (flashqla/hopper/grouped_products.py, the default wherever Hv / Hqk <= 8)
+against float64 and against the per-value-head kernel of inverse.py (kept for larger groups).
 
-One `pytest -m gpu -s tests/test_hopper_grouped_products.py` on an H200 decides whether
-inverse.gated_products switches its default to grouped=True: every test here must pass, and the
-timing tests print both kernels' do_bench medians. The CPU test checks the candidate's solve
-recipe (register column solves + block iteration, tf32 products) in torch.
+The GPU tests check every output on the forward grid and time both kernels (run with -s to see the
+do_bench medians). The CPU tests check the solve recipe (register column solves + block iteration,
+tf32 products) in torch and audit the generated CUDA.
 """
 import pytest
 import torch
@@ -159,21 +159,21 @@ def float64_products(args):
 @requires_hopper
 @pytest.mark.parametrize("lengths", list(LENGTHS), ids=list(LENGTHS))
 @pytest.mark.parametrize("heads", HEAD_LAYOUTS, ids=HEAD_IDS)
-def test_grouped_products_match_float64_and_current_kernel(heads, lengths):
+def test_grouped_products_match_float64_and_the_per_head_kernel(heads, lengths):
     args = products_inputs(make_inputs(LENGTHS[lengths], *heads, seed=heads[1] * 10 + list(LENGTHS).index(lengths)))
-    current = run_products(args, grouped=False)
-    candidate = run_products(args, grouped=True)
+    per_head = run_products(args, grouped=False)
+    grouped = run_products(args, grouped=True)
     torch.cuda.synchronize()
     exact = float64_products(args)
-    for name, got, was, ref in zip(("gated_inverse", "scores"), candidate, current, exact):
+    for name, got, was, ref in zip(("gated_inverse", "scores"), grouped, per_head, exact):
         assert got.shape == was.shape and got.dtype == was.dtype
-        # Every token row belongs to a chunk, so a NaN left here is a row the candidate never wrote.
+        # Every token row belongs to a chunk, so a NaN left here is a row the grouped kernel never wrote.
         assert torch.isfinite(got).all(), f"{name}: NaN/Inf (unwritten rows?)"
-        err_candidate, err_current = relative_error(got, ref), relative_error(was, ref)
-        print(f"\n{heads} {lengths} {name}: relative L2 to float64 candidate {err_candidate:.2e}, "
-              f"current {err_current:.2e}, candidate vs current {relative_error(got, was):.2e}")
-        assert err_candidate <= PRODUCTS_TOLERANCE, f"{name}: candidate error {err_candidate:.3e}"
-        assert err_candidate <= 2 * err_current + 1e-3, f"{name}: {err_candidate:.3e} vs current {err_current:.3e}"
+        err_grouped, err_per_head = relative_error(got, ref), relative_error(was, ref)
+        print(f"\n{heads} {lengths} {name}: relative L2 to float64 grouped {err_grouped:.2e}, "
+              f"per-head {err_per_head:.2e}, grouped vs per-head {relative_error(got, was):.2e}")
+        assert err_grouped <= PRODUCTS_TOLERANCE, f"{name}: grouped error {err_grouped:.3e}"
+        assert err_grouped <= 2 * err_per_head + 1e-3, f"{name}: {err_grouped:.3e} vs per-head {err_per_head:.3e}"
 
 
 @pytest.mark.gpu
@@ -184,14 +184,14 @@ def test_grouped_products_other_dtypes(dtype, beta_dtype):
     """float16 q/k, and beta handed over in bf16 (the api passes bf16/fp16 beta through)."""
     args = products_inputs(make_inputs([777, 1536], 4, 16, seed=3))
     args["q"], args["k"], args["beta"] = args["q"].to(dtype), args["k"].to(dtype), args["beta"].to(beta_dtype)
-    current = run_products(args, grouped=False)
-    candidate = run_products(args, grouped=True)
+    per_head = run_products(args, grouped=False)
+    grouped = run_products(args, grouped=True)
     exact = float64_products(args)
-    for got, was, ref in zip(candidate, current, exact):
+    for got, was, ref in zip(grouped, per_head, exact):
         assert got.dtype == dtype and torch.isfinite(got).all()
-        err_candidate, err_current = relative_error(got, ref), relative_error(was, ref)
-        assert err_candidate <= PRODUCTS_TOLERANCE, err_candidate
-        assert err_candidate <= 2 * err_current + 1e-3, (err_candidate, err_current)
+        err_grouped, err_per_head = relative_error(got, ref), relative_error(was, ref)
+        assert err_grouped <= PRODUCTS_TOLERANCE, err_grouped
+        assert err_grouped <= 2 * err_per_head + 1e-3, (err_grouped, err_per_head)
 
 
 @pytest.mark.gpu
@@ -239,9 +239,9 @@ def test_forward_with_grouped_products_matches_float64_reference(monkeypatch, he
 @pytest.mark.gpu
 @requires_hopper
 @pytest.mark.parametrize("heads", HEAD_LAYOUTS, ids=HEAD_IDS)
-def test_grouped_products_time_against_current(heads):
-    """Prints do_bench medians on 1x32768: the current kernel, the candidate at its default register
-    cap (4 CTAs per SM) and at 3; fails when the default candidate is not faster than the current kernel."""
+def test_grouped_products_time_against_the_per_head_kernel(heads):
+    """Prints do_bench medians on 1x32768: the per-value-head kernel, the grouped one at 4 and at 3 CTAs
+    per SM; fails when the grouped kernel at its default cap (MIN_BLOCKS_PER_SM) is not the faster."""
     from triton.testing import do_bench
 
     from flashqla.hopper.grouped_products import MIN_BLOCKS_PER_SM
@@ -249,11 +249,11 @@ def test_grouped_products_time_against_current(heads):
 
     args = products_inputs(make_inputs([32768], *heads, seed=1))
     call = [args[name] for name in ("q", "k", "gamma", "beta", "scale", "cu_seqlens", "chunk_index")]
-    variants = {"current": dict(grouped=False), "grouped, 4 CTAs/SM": dict(grouped=True, min_blocks_per_sm=4),
+    variants = {"per-head": dict(grouped=False), "grouped, 4 CTAs/SM": dict(grouped=True, min_blocks_per_sm=4),
                 "grouped, 3 CTAs/SM": dict(grouped=True, min_blocks_per_sm=3)}
     times = {name: do_bench(lambda: gated_products(*call, **kwargs), warmup=25, rep=200, return_mode="median")
              for name, kwargs in variants.items()}
     print(f"\ngated_products {heads[0]}/{heads[1]} 1x32768: "
           + ", ".join(f"{name} {ms:.3f} ms" for name, ms in times.items()))
     default = times[f"grouped, {MIN_BLOCKS_PER_SM} CTAs/SM"]
-    assert default < times["current"], f"candidate {default:.3f} ms is not faster than {times['current']:.3f} ms"
+    assert default < times["per-head"], f"grouped {default:.3f} ms is not faster than {times['per-head']:.3f} ms"
