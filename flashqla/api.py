@@ -88,17 +88,21 @@ def chunk_gated_delta_rule(
 
 
 class HopperGatedDeltaRule(torch.autograd.Function):
-    """Autograd for the TileLang kernels. Saves only the inputs: the backward recomputes the
-    chunk states rather than keeping them alive between forward and backward."""
+    """Autograd for the TileLang kernels. Saves only the inputs (and, with the keep_products
+    candidate, the forward's Ab and P): the backward recomputes the chunk states rather than
+    keeping them alive between forward and backward."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_host):
         from flashqla import hopper
 
-        o, final_state = hopper.forward(
-            q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_host=cu_seqlens_host
+        keep_products = hopper.candidates.enabled("keep_products")
+        o, final_state, *products = hopper.forward(
+            q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_host=cu_seqlens_host,
+            return_products=keep_products,
         )
-        ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
+        # with the keep_products candidate the backward reuses Ab and P (T * Hv * 256 bytes more saved)
+        ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, *(products[0] if products else ()))
         ctx.scale = scale
         ctx.cu_seqlens_host = cu_seqlens_host
         ctx.candidates = hopper.candidates.chosen()  # the backward runs the kernels this forward chose
@@ -109,11 +113,11 @@ class HopperGatedDeltaRule(torch.autograd.Function):
         from flashqla.hopper import candidates
         from flashqla.hopper.backward import backward
 
-        q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
+        q, k, v, g, beta, initial_state, cu_seqlens, *products = ctx.saved_tensors
         with candidates.use(*ctx.candidates):
             dq, dk, dv, dg, dbeta, dh0 = backward(
                 q, k, v, g, beta, ctx.scale, initial_state, cu_seqlens, d_o, d_final_state,
-                cu_seqlens_host=ctx.cu_seqlens_host,
+                cu_seqlens_host=ctx.cu_seqlens_host, products=tuple(products) or None,
             )
         dh0 = dh0 if initial_state is not None else None
         return dq, dk, dv, dg, dbeta, None, dh0, None, None, None

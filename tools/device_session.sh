@@ -38,9 +38,9 @@ export PYTHONUNBUFFERED=1 WANDB_MODE=disabled TRITON_CACHE_DIR=/tmp/tritoncache 
 mkdir -p "$TRITON_CACHE_DIR"
 [ -f .devkit/tritoncache.tgz ] && tar -xzf .devkit/tritoncache.tgz -C /tmp
 SUMMARY=()
-# Test files of the kernels listed in flashqla/hopper/candidates.py (none at present: both candidates of
-# 2026-11-30 became defaults, and their tests run in `tests`).
-CANDIDATE_TESTS=()
+# Test files of what flashqla/hopper/candidates.py lists (the two kernel candidates of 2026-11-30 became
+# defaults; their tests run in `tests`).
+CANDIDATE_TESTS=(tests/test_hopper_keep_products.py)
 BENCH_CANDIDATES=${BENCH_CANDIDATES:-0}
 
 left() { echo $((BUDGET_S - (SECONDS - STARTED))); }

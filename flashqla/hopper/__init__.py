@@ -33,13 +33,16 @@ def check_supported(q: torch.Tensor, v: torch.Tensor) -> None:
 
 
 def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-            log_decay_threshold: float = DEFAULT_LOG_DECAY_THRESHOLD, cu_seqlens_host: list[int] | None = None):
+            log_decay_threshold: float = DEFAULT_LOG_DECAY_THRESHOLD, cu_seqlens_host: list[int] | None = None,
+            return_products: bool = False):
     """(o, final_state or None) for q, k [B, T, Hqk, 128], v [B, T, Hv, 128], g, beta [B, T, Hv].
 
     log_decay_threshold: how far a piece of a split sequence may truncate the history it rebuilds
     its entering state from (chunk_plan.walk_starts); -inf never truncates.
     cu_seqlens_host: cu_seqlens as a Python list when the caller has already read it back; saves
     the forward's only device->host sync.
+    return_products: also return (gated_inverse, scores), [T, Hv, 64] each, which the backward
+    can take instead of recomputing them.
     """
     check_supported(q, v)
     batch_size, seq_len, num_qk_heads, head_dim = q.shape
@@ -73,4 +76,6 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
         q_flat, k_flat, v_flat, gamma, gated_inverse, scores, scale, h0,
         cu_seqlens, plan.value_block, plan.pieces, walk, offsets=plan.chunk_offsets)
     o = o.view(batch_size, seq_len, num_v_heads, head_dim)
+    if return_products:
+        return o, (final_state if output_final_state else None), (gated_inverse, scores)
     return o, (final_state if output_final_state else None)

@@ -29,7 +29,8 @@ COMPILE_CHECKS = [
 ]
 
 
-def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seqlens_host: list[int] | None = None):
+def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seqlens_host: list[int] | None = None,
+             products: tuple[torch.Tensor, torch.Tensor] | None = None):
     """Gradients of (o, final_state) for inputs as given to `flashqla.hopper.forward`.
 
     q, k: [B, T, Hqk, 128]; v, do: [B, T, Hv, 128]; g, beta: [B, T, Hv]; initial_state, dht:
@@ -39,6 +40,8 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seq
     there is no initial state (the gradient a zero initial state would get).
     cu_seqlens_host: cu_seqlens as a list when the caller holds it (the forward's plan is then
     reused from its cache with no device->host read).
+    products: (gated_inverse, scores) as `hopper.forward(..., return_products=True)` gave them for
+    these inputs; recomputed when None.
     """
     head_k, head_v = q.shape[-1], v.shape[-1]
     if head_k != HEAD_DIM or head_v != HEAD_DIM:
@@ -86,7 +89,10 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seq
     if dht is None:
         dht = torch.zeros(num_sequences, num_v_heads, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=device)
     dht = dht.to(torch.float32).contiguous()
-    gated_inverse, scores = gated_products(q_flat, k_flat, gamma, beta_flat, scale, cu_seqlens, chunk_index)
+    if products is None:
+        gated_inverse, scores = gated_products(q_flat, k_flat, gamma, beta_flat, scale, cu_seqlens, chunk_index)
+    else:  # float16 inputs gave float16 products; the kernels here read bf16
+        gated_inverse, scores = (p.reshape(num_tokens, num_v_heads, -1).to(torch.bfloat16) for p in products)
     state_grads, dh0 = state_gradients(q_flat, k_flat, gamma, gated_inverse, scores, do_flat, dht, scale, cu_seqlens,
                                        offsets, chunk_index.shape[0], value_block)
     dq_head, dk_head, dv, dg, dbeta = chunk_gradients(q_flat, k_flat, v_flat, gamma, beta_flat, inverse, states,

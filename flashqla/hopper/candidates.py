@@ -11,10 +11,11 @@ from __future__ import annotations
 import contextlib
 import os
 
-# None at present: grouped_products and the persistent chunk-gradient kernel (backward_chunk_grads.py)
-# became the defaults after the H200 run of 2026-11-30 (correct on the whole test grid, faster on
-# every shape timed).
-NAMES: tuple[str, ...] = ()
+# grouped_products and the persistent chunk-gradient kernel (backward_chunk_grads.py) became the
+# defaults after the H200 run of 2026-11-30.
+# keep_products: the autograd Function saves the forward's Ab and P (T * Hv * 256 bytes more) and the
+# backward skips recomputing them (about 1.5 ms of 14.3 on 16/64 x 32768); not yet run on a GPU.
+NAMES: tuple[str, ...] = ("keep_products",)
 ENV_VAR = "FLASHQLA_CANDIDATES"
 _chosen: tuple[str, ...] | None = None  # set by use(); None: read the environment
 
