@@ -98,11 +98,13 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seq
     dq_head, dk_head, dv, dg, dbeta = chunk_gradients(q_flat, k_flat, v_flat, gamma, beta_flat, inverse, states,
                                                       state_grads, do_flat, scale, cu_seqlens, chunk_index)
 
-    # Deterministic reduction (float32 accumulation) over the value heads sharing a q/k head.
+    # Deterministic reduction over the value heads sharing a q/k head, accumulated in float32 and
+    # rounded once: straight to bf16 for bf16 inputs (one pass), through float32 for float16.
     dq, dk = dq_head, dk_head
     if group > 1:
-        dq = dq_head.view(num_tokens, num_qk_heads, group, HEAD_DIM).sum(2, dtype=torch.float32)
-        dk = dk_head.view(num_tokens, num_qk_heads, group, HEAD_DIM).sum(2, dtype=torch.float32)
+        sum_dtype = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
+        dq = dq_head.view(num_tokens, num_qk_heads, group, HEAD_DIM).sum(2, dtype=sum_dtype)
+        dk = dk_head.view(num_tokens, num_qk_heads, group, HEAD_DIM).sum(2, dtype=sum_dtype)
     return (
         dq.view(q.shape).to(q.dtype),
         dk.view(k.shape).to(k.dtype),
