@@ -342,13 +342,18 @@ def train(cfg: DictConfig) -> int:
             state.step = step
             state.data_position += train_cfg.gradient_accumulation * dp_size
             state.tokens_seen += tokens_per_step
-            # one collective per step: the mean loss over ranks (the ranks of a tp group agree) and
-            # whether any rank was signalled
-            reduced = torch.stack([loss_sum / train_cfg.gradient_accumulation, torch.tensor(
-                float(stop.signal_number is not None), device=device)])
-            dist.all_reduce(reduced)
-            mean_loss = reduced[0].item() / world_size
-            stop_now = reduced[1].item() > 0
+            # one collective per step: the mean loss over ranks (the ranks of a tp group agree),
+            # whether any rank was signalled, and the largest peak memory of any rank
+            reserved = torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else 0.0
+            mine = torch.stack([loss_sum / train_cfg.gradient_accumulation] + [
+                torch.tensor(x, dtype=torch.float32, device=device)
+                for x in (float(stop.signal_number is not None), peak_memory_gib(device), reserved)])
+            everyone = [torch.empty_like(mine) for _ in range(world_size)]
+            dist.all_gather(everyone, mine)
+            everyone = torch.stack(everyone).cpu()
+            mean_loss = everyone[:, 0].sum().item() / world_size
+            stop_now = everyone[:, 1].sum().item() > 0
+            peak_gib, peak_reserved_gib = everyone[:, 2].max().item(), everyone[:, 3].max().item()
 
             grad_norm = engine.get_global_grad_norm()
             record = {
@@ -358,9 +363,8 @@ def train(cfg: DictConfig) -> int:
                 "grad_norm": float(grad_norm) if grad_norm is not None else None,
                 "tokens_per_s": tokens_per_step / step_time,
                 "step_time_s": step_time,
-                "peak_memory_gib": peak_memory_gib(device),
-                **({"peak_memory_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30}
-                   if device.type == "cuda" else {}),
+                "peak_memory_gib": peak_gib,  # the largest over ranks
+                **({"peak_memory_reserved_gib": peak_reserved_gib} if device.type == "cuda" else {}),
                 "tokens_seen": state.tokens_seen,
                 **profile_record,
             }
