@@ -78,7 +78,8 @@ def chunk_gated_delta_rule(
 
         return chunk_gated_delta_rule_fla(
             q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
-            cu_seqlens_cpu=None if cu_seqlens_host is None else torch.tensor(cu_seqlens_host),
+            cu_seqlens_cpu=cu_seqlens_cpu if cu_seqlens_cpu is not None or cu_seqlens_host is None
+            else torch.tensor(cu_seqlens_host),
         )
     if use_qk_l2norm_in_kernel:
         q, k = reference.l2_normalize(q), reference.l2_normalize(k)
@@ -97,12 +98,13 @@ class HopperGatedDeltaRule(torch.autograd.Function):
         from flashqla import hopper
 
         keep_products = hopper.candidates.enabled("keep_products")
-        o, final_state, *products = hopper.forward(
+        o, final_state, *kept = hopper.forward(
             q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_host=cu_seqlens_host,
             return_products=keep_products,
         )
         # with the keep_products candidate the backward reuses Ab and P (T * Hv * 256 bytes more saved)
-        ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, *(products[0] if products else ()))
+        products = kept[0] if keep_products else ()
+        ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, *products)
         ctx.scale = scale
         ctx.cu_seqlens_host = cu_seqlens_host
         ctx.candidates = hopper.candidates.chosen()  # the backward runs the kernels this forward chose

@@ -16,10 +16,12 @@ Median of triton.testing.do_bench; forward under no_grad; backward = (forward + 
 Per shape it also records each library's first call (compile included: FlashQLA compiles about a
 dozen TileLang kernels per head layout, minutes without a carried TileLang cache) and the relative
 L2 distance of o and the final state from FLA's.
---breakdown adds our per-stage times (planning uncached and cached, cumsum, gated products and their
-grouped candidate, walk starts, fused walk). --baselines ...,candidates adds a column for ours with
-every candidate kernel on (flashqla/hopper/candidates.py), so a switch is decided side by side. --time-budget starts no shape that would likely end past the budget; the
-JSON is rewritten after every shape, so a killed run keeps what it measured.
+--breakdown adds our per-stage times (planning uncached and cached, cumsum, the gated products by
+the per-value-head kernel ("products") and by the grouped one, the default ("products_grouped"),
+walk starts, fused walk). --baselines ...,candidates adds a column for ours with every candidate of
+flashqla/hopper/candidates.py on, so a switch is decided side by side. --time-budget starts no
+shape that would likely end past the budget; the JSON is rewritten after every shape, so a killed
+run keeps what it measured.
 """
 from __future__ import annotations
 

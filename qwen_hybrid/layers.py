@@ -214,7 +214,8 @@ class AttentionCore(nn.Module):
     q: [B, T, H, D]; k, v: [B, T, Hkv, D]; returns [B, T, H, D]. With `cu_seqlens` (B = 1) each
     document attends only to itself: on CUDA through `varlen_attn` (FlashAttention) when torch
     has it, otherwise one SDPA call per document. A pack that is one document (max_seqlen = T)
-    takes SDPA: on the H200 its cuDNN kernels ran 131072 tokens 2.2x faster than varlen_attn.
+    takes SDPA: on the H200 at 131072 tokens its cuDNN kernels ran the forward 2.2x and the backward
+    1.5x faster than varlen_attn.
     """
 
     def forward(self, q, k, v, cu_seqlens=None, max_seqlen=None) -> torch.Tensor:

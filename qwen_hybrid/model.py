@@ -39,9 +39,7 @@ class QwenHybridModel(nn.Module):
         batch, length = input_ids.shape
         max_seqlen = None
         if cu_seqlens is not None:
-            if cu_seqlens_cpu is None:
-                cu_seqlens_cpu = cu_seqlens.cpu()
-            cu_seqlens = cu_seqlens.to(input_ids.device, non_blocking=True)
+            cu_seqlens, cu_seqlens_cpu = _device_and_host_offsets(cu_seqlens, input_ids.device, cu_seqlens_cpu)
             lengths = (cu_seqlens_cpu[1:] - cu_seqlens_cpu[:-1]).tolist()
             max_seqlen = max(lengths) if lengths else 0
         cos = sin = None
@@ -102,16 +100,15 @@ class QwenHybridForCausalLM(nn.Module):
         return_logits: bool | None = None,
     ) -> CausalLMOutput:
         """input_ids [B, T]. cu_seqlens [N+1] (B = 1): packed documents, each independent in every
-        layer; on the CPU or the model's device (read back to the host once per call). position_ids [B, T]: RoPE positions (default: 0.. per row, or per document).
+        layer; on the CPU or the model's device (read back to the host once per call).
+        position_ids [B, T]: RoPE positions (default: 0.. per row, or per document).
         labels [B, T] aligned with input_ids like HF's (the model shifts them; -100 ignored;
         no target crosses a document boundary). return_logits defaults to `labels is None`."""
         cu_seqlens_cpu = None
         if cu_seqlens is not None:
             if not isinstance(cu_seqlens, torch.Tensor):
                 raise TypeError(f"cu_seqlens must be an integer torch.Tensor [N+1], got {type(cu_seqlens).__name__}")
-            # the step's one device->host read: the kernels plan their grids from these bounds
-            cu_seqlens_cpu = cu_seqlens.cpu()
-            cu_seqlens = cu_seqlens.to(input_ids.device, non_blocking=True)
+            cu_seqlens, cu_seqlens_cpu = _device_and_host_offsets(cu_seqlens, input_ids.device)
         _check_inputs(input_ids, cu_seqlens_cpu, position_ids, labels)
         hidden = self.model(input_ids, cu_seqlens, position_ids, cu_seqlens_cpu)
         if return_logits is None:
@@ -185,6 +182,14 @@ def _rotary_tables(position_ids: torch.Tensor, rotary_dim: int, theta: float):
     freqs = position_ids[..., None].float() * inv_freq
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
+
+
+def _device_and_host_offsets(cu_seqlens, device, cu_seqlens_cpu=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cu_seqlens on `device` and on the CPU. The host copy is the step's one device->host read
+    (free when cu_seqlens arrives on the CPU): the kernels plan their grids from it."""
+    if cu_seqlens_cpu is None:
+        cu_seqlens_cpu = cu_seqlens.cpu()
+    return cu_seqlens.to(device, non_blocking=True), cu_seqlens_cpu
 
 
 def _check_inputs(input_ids, cu_seqlens, position_ids, labels) -> None:

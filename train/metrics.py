@@ -1,6 +1,6 @@
 """Per-step metrics: `metrics.jsonl` in the run directory and W&B (written by rank 0; loss and peak
-memory gathered from every rank, per-kernel times rank 0's), per-kernel times from module hooks,
-and the step-by-step backend comparison."""
+memory gathered from every rank), per-kernel times from module hooks (rank 0's), one-step profile
+summaries, and the step-by-step backend comparison."""
 from __future__ import annotations
 
 import json
