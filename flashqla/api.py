@@ -84,27 +84,36 @@ def chunk_gated_delta_rule(
     if use_qk_l2norm_in_kernel:
         q, k = reference.l2_normalize(q), reference.l2_normalize(k)
     return HopperGatedDeltaRule.apply(
-        q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_host
+        q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_host,
+        _keep_forward(q, k, v, g, beta, initial_state),
     )
 
 
+def _keep_forward(*inputs) -> bool:
+    """Whether the Hopper forward should keep its intermediates for a backward (keep_forward
+    candidate): only when autograd will run one (inside Function.forward grad mode is always off,
+    and needs_input_grad ignores no_grad)."""
+    from flashqla import hopper
+
+    return (hopper.candidates.enabled("keep_forward") and torch.is_grad_enabled()
+            and any(x is not None and x.requires_grad for x in inputs))
+
+
 class HopperGatedDeltaRule(torch.autograd.Function):
-    """Autograd for the TileLang kernels. Saves only the inputs (and, with the keep_products
-    candidate, the forward's Ab and P): the backward recomputes the chunk states rather than
-    keeping them alive between forward and backward."""
+    """Autograd for the TileLang kernels. Saves only the inputs, unless the keep_forward candidate is
+    on: then also the forward's gamma, A~, Ab, P and chunk states (hopper.KeptForward, about
+    T * Hv * 900 bytes), and the backward recomputes none of them."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_host):
+    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_host,
+                keep=False):
         from flashqla import hopper
 
-        keep_products = hopper.candidates.enabled("keep_products")
         o, final_state, *kept = hopper.forward(
             q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_host=cu_seqlens_host,
-            return_products=keep_products,
+            keep_for_backward=keep,
         )
-        # with the keep_products candidate the backward reuses Ab and P (T * Hv * 256 bytes more saved)
-        products = kept[0] if keep_products else ()
-        ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, *products)
+        ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, *(kept[0] if keep else ()))
         ctx.scale = scale
         ctx.cu_seqlens_host = cu_seqlens_host
         ctx.candidates = hopper.candidates.chosen()  # the backward runs the kernels this forward chose
@@ -112,17 +121,17 @@ class HopperGatedDeltaRule(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_o, d_final_state):
-        from flashqla.hopper import candidates
+        from flashqla.hopper import KeptForward, candidates
         from flashqla.hopper.backward import backward
 
-        q, k, v, g, beta, initial_state, cu_seqlens, *products = ctx.saved_tensors
+        q, k, v, g, beta, initial_state, cu_seqlens, *kept = ctx.saved_tensors
         with candidates.use(*ctx.candidates):
             dq, dk, dv, dg, dbeta, dh0 = backward(
                 q, k, v, g, beta, ctx.scale, initial_state, cu_seqlens, d_o, d_final_state,
-                cu_seqlens_host=ctx.cu_seqlens_host, products=tuple(products) or None,
+                cu_seqlens_host=ctx.cu_seqlens_host, kept=KeptForward(*kept) if kept else None,
             )
         dh0 = dh0 if initial_state is not None else None
-        return dq, dk, dv, dg, dbeta, None, dh0, None, None, None
+        return dq, dk, dv, dg, dbeta, None, dh0, None, None, None, None
 
 
 def resolve_backend(backend: str, q: torch.Tensor, v: torch.Tensor) -> str:

@@ -21,7 +21,10 @@ the per-value-head kernel ("products") and by the grouped one, the default ("pro
 walk starts, fused walk). --baselines ...,candidates adds a column for ours with every candidate of
 flashqla/hopper/candidates.py on, so a switch is decided side by side. --time-budget starts no
 shape that would likely end past the budget; the JSON is rewritten after every shape, so a killed
-run keeps what it measured.
+run keeps what it measured. --warm-only makes only the first calls: FLA's compile and autotuning
+take about two minutes per head layout, so tools/device_session.sh runs one such process per
+layout in parallel (autotune results not kept, FLA_CACHE_RESULTS=0) and the timed run then
+autotunes alone with every kernel already compiled.
 """
 from __future__ import annotations
 
@@ -209,6 +212,9 @@ def main(argv=None) -> None:
     parser.add_argument("--rep", type=int, default=200, help="do_bench repetition time per measurement, ms")
     parser.add_argument("--time-budget", type=float, default=None,
                         help="seconds: start no shape whose expected end (slowest shape so far) is past this")
+    parser.add_argument("--warm-only", action="store_true",
+                        help="only make each library's first call per shape (compiles, autotuning) and print how long "
+                             "it took; several such processes can fill the compile caches in parallel before a timed run")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("flashqla.bench needs a CUDA GPU")
@@ -234,6 +240,9 @@ def main(argv=None) -> None:
                 row["first_call_s"][impl_name] = first_call_s(fn, inputs)
             except Exception as error:  # e.g. a backward that refuses to run: still time the forward
                 row[f"{impl_name}_first_call_error"] = f"{type(error).__name__}: {error}"[:300]
+        if args.warm_only:
+            print(format_row(row, impls), flush=True)
+            continue
             try:
                 forward_ms = time_forward(fn, inputs, args.rep)
                 if do_forward:

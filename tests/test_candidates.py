@@ -55,7 +55,7 @@ def test_backward_runs_the_kernels_its_forward_chose(monkeypatch):
         seen["forward"] = candidates.chosen()
         return v * 1.0, None
 
-    def fake_backward(q, k, v, g, beta, scale, h0, cu, d_o, d_state, cu_seqlens_host=None, products=None):
+    def fake_backward(q, k, v, g, beta, scale, h0, cu, d_o, d_state, cu_seqlens_host=None, kept=None):
         seen["backward"] = candidates.chosen()
         return (torch.zeros_like(q), torch.zeros_like(k), d_o, torch.zeros_like(g), torch.zeros_like(beta), None)
 
@@ -71,23 +71,26 @@ def test_backward_runs_the_kernels_its_forward_chose(monkeypatch):
     assert torch.equal(v.grad, torch.ones_like(v))
 
 
-def test_keep_products_hands_the_forwards_products_to_the_backward(monkeypatch):
-    """With keep_products the backward gets the very tensors the forward made; without, None."""
+def test_keep_forward_hands_the_forwards_tensors_to_the_backward(monkeypatch):
+    """With keep_forward the backward gets the very tensors the forward made; without, None; and a
+    forward under no_grad keeps nothing (no backward will read it)."""
     import torch
 
     from flashqla import api, hopper
     from flashqla.hopper import backward as backward_module
 
-    monkeypatch.setattr(candidates, "NAMES", ("keep_products",))
-    made, received = [], []
+    monkeypatch.setattr(candidates, "NAMES", ("keep_forward",))
+    made, received, asked = [], [], []
 
-    def fake_forward(q, k, v, *args, return_products=False, **kwargs):
-        products = (torch.full((4, 1, 64), 2.0), torch.full((4, 1, 64), 3.0))
-        made.append(products)
-        return (v * 1.0, None, products) if return_products else (v * 1.0, None)
+    def fake_forward(q, k, v, *args, keep_for_backward=False, **kwargs):
+        asked.append(keep_for_backward)
+        kept = hopper.KeptForward(torch.zeros(4, 1), torch.full((4, 1, 64), 2.0), torch.full((4, 1, 64), 3.0),
+                                  None, torch.ones(1, 1, 8, 8))
+        made.append(kept)
+        return (v * 1.0, None, kept) if keep_for_backward else (v * 1.0, None)
 
-    def fake_backward(q, k, v, g, beta, scale, h0, cu, d_o, d_state, cu_seqlens_host=None, products=None):
-        received.append(products)
+    def fake_backward(q, k, v, g, beta, scale, h0, cu, d_o, d_state, cu_seqlens_host=None, kept=None):
+        received.append(kept)
         return (torch.zeros_like(q), torch.zeros_like(k), d_o, torch.zeros_like(g), torch.zeros_like(beta), None)
 
     monkeypatch.setattr(hopper, "forward", fake_forward)
@@ -96,8 +99,13 @@ def test_keep_products_hands_the_forwards_products_to_the_backward(monkeypatch):
     g, beta = torch.zeros(1, 4, 1), torch.ones(1, 4, 1)
     for keep in (True, False):
         v = torch.randn(1, 4, 1, 8, requires_grad=True)
-        with candidates.use(*(("keep_products",) if keep else ())):
-            o, _ = api.HopperGatedDeltaRule.apply(q, k, v, g, beta, 1.0, None, False, None, None)
+        with candidates.use(*(("keep_forward",) if keep else ())):
+            o, _ = api.HopperGatedDeltaRule.apply(q, k, v, g, beta, 1.0, None, False, None, None,
+                                                  api._keep_forward(q, k, v, g, beta))
         o.sum().backward()
-    assert received[0] is not None and all(a is b for a, b in zip(received[0], made[0]))
+    assert isinstance(received[0], hopper.KeptForward)
+    assert all(a is b for a, b in zip(received[0], made[0]))
     assert received[1] is None
+    with candidates.use("keep_forward"), torch.no_grad():
+        assert not api._keep_forward(q, k, v, g, beta)
+    assert asked == [True, False]

@@ -9,6 +9,10 @@
 #   bench               python -m flashqla.bench --fwd --bwd --breakdown, ours / FLA / FlashQLA, JSON
 #                       (SHAPES=substr,... filters shapes; BENCH_BUDGET seconds, default: what is left;
 #                       BENCH_CANDIDATES=1 adds the candidates column without the candidates part)
+#   bench-warm          one `flashqla.bench --warm-only --baselines fla` process per head layout of SHAPES
+#                       (default all 8), in parallel: FLA's Triton kernels compile into the shared cache, so a
+#                       later bench spends no minutes per layout there. Autotune results are not kept
+#                       (FLA_CACHE_RESULTS=0): the timed run autotunes alone on the GPU.
 #   train-8k            launch/benchmark.sh 0.8B 8192 tilelang,fla
 #   train-128k-tilelang launch/benchmark.sh 0.8B 131072 tilelang
 #   train-128k-fla      launch/benchmark.sh 0.8B 131072 fla
@@ -40,7 +44,7 @@ mkdir -p "$TRITON_CACHE_DIR"
 SUMMARY=()
 # Test files of what flashqla/hopper/candidates.py lists (the two kernel candidates of 2026-11-30 became
 # defaults; their tests run in `tests`).
-CANDIDATE_TESTS=(tests/test_hopper_keep_products.py)
+CANDIDATE_TESTS=(tests/test_hopper_keep_forward.py)
 BENCH_CANDIDATES=${BENCH_CANDIDATES:-0}
 
 left() { echo $((BUDGET_S - (SECONDS - STARTED))); }
@@ -103,6 +107,13 @@ run_part() {
         step bench $((budget + 30)) 90 "$PYTHON" -m flashqla.bench --fwd --bwd --breakdown --json "$OUT/bench.json" \
             --baselines "$baselines" --time-budget "$budget" ${SHAPES:+--shapes "$SHAPES"}
         ;;
+    bench-warm)
+        local layouts=${SHAPES:-16/64,16/48,16/32,8/32,8/24,4/16,2/8,16/16}
+        step bench-warm 420 60 bash -c 'for layout in ${0//,/ }; do
+                FLA_CACHE_RESULTS=0 '"$PYTHON"' -m flashqla.bench --warm-only --bwd --baselines fla \
+                    --shapes "$layout " > "'"$LOGS"'/warm-${layout//\//_}.log" 2>&1 &
+            done; wait; grep -h "first call" "'"$LOGS"'"/warm-*.log' "$layouts"
+        ;;
     train-8k) train_run train-0.8B-8k-compare 0.8B 8192 tilelang,fla ;;
     train-128k-tilelang) train_run train-0.8B-128k-tilelang 0.8B 131072 tilelang ;;
     train-128k-fla) train_run train-0.8B-128k-fla 0.8B 131072 fla ;;
@@ -122,7 +133,7 @@ run_part() {
             launch/benchmark.sh 0.8B 8192 tilelang ${TP2_OVERRIDES:-}
         ;;
     *)
-        echo "unknown part '$1': tests, candidates, bench, train-8k, train-128k-tilelang, train-128k-fla, train-2b, train," \
+        echo "unknown part '$1': tests, candidates, bench, bench-warm, train-8k, train-128k-tilelang, train-128k-fla, train-2b, train," \
             "tp2, tp2-8k" >&2
         SUMMARY+=("$(printf '%-22s %-9s' "$1" "UNKNOWN")")
         ;;

@@ -128,6 +128,10 @@ def compile_ours(shapes, like_the_model: bool = False, with_initial_state: bool 
             d_state = torch.randn_like(x["initial_state"])
         hopper.forward(q, k, v, x["g"], beta, None, h0, not like_the_model, cu)
         backward(q, k, v, x["g"], beta, 128 ** -0.5, h0, cu, torch.randn_like(v), d_state)
+        # the keep_forward candidate's variants (the grouped products that also store A~, the fused
+        # walk that stores the chunk states), as the autograd Function calls them
+        _, _, kept = hopper.forward(q, k, v, x["g"], beta, None, h0, not like_the_model, cu, keep_for_backward=True)
+        backward(q, k, v, x["g"], beta, 128 ** -0.5, h0, cu, torch.randn_like(v), d_state, kept=kept)
         variant = "as the model calls it" if like_the_model else f"{dtype_name}, h0={with_initial_state}"
         print(f"ours {name} ({variant}): {time.time() - started:.0f} s", flush=True)
 
@@ -228,6 +232,8 @@ def main(argv=None) -> None:
         compile_ours(test_shapes, with_initial_state=False)
         if test_shapes:
             compile_ours([("4/16 777+1536", (4, 16), [777, 1536])], dtype_name="float16")
+            # a group of 16 value heads per qk head: the per-value-head products kernel
+            compile_ours([("1/16 4096", (1, 16), [4096])])
             compile_checks()
     if not args.skip_fla:
         compile_fla_tilelang(sorted({heads for _, heads, _ in shapes + model_shapes}))

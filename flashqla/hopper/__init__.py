@@ -9,6 +9,8 @@ backward_chunk_grads.py computes the per-chunk gradients),
 candidates.py (which kernels in the tree are still candidates, and the switch that turns them on).
 """
 
+from typing import NamedTuple
+
 import torch
 
 from flashqla.hopper import candidates  # noqa: F401 (the switch api.py reads)
@@ -23,6 +25,18 @@ SUPPORTED_INPUT_DTYPES = (torch.bfloat16, torch.float16)
 DEFAULT_LOG_DECAY_THRESHOLD = -10.0
 
 
+class KeptForward(NamedTuple):
+    """What the forward can hand the backward so that it recomputes nothing but the state gradients
+    (`forward(..., keep_for_backward=True)`): T * Hv * (3 * 128 + 4) bytes plus one state per chunk
+    and value head (T * Hv * 512 bytes) in the inputs' dtype."""
+
+    gamma: torch.Tensor           # float32 [T, Hv]: chunk-local cumsum of g
+    gated_inverse: torch.Tensor   # [T, Hv, 64]: Ab
+    scores: torch.Tensor          # [T, Hv, 64]: P
+    inverse: torch.Tensor | None  # [T, Hv, 64]: A~ (None where the per-value-head products kernel ran)
+    chunk_states: torch.Tensor    # [num_chunks, Hv, 128, 128]: the state entering every chunk
+
+
 def check_supported(q: torch.Tensor, v: torch.Tensor) -> None:
     """Raise ValueError for inputs the Hopper kernels do not cover."""
     head_k, head_v = q.shape[-1], v.shape[-1]
@@ -34,15 +48,15 @@ def check_supported(q: torch.Tensor, v: torch.Tensor) -> None:
 
 def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
             log_decay_threshold: float = DEFAULT_LOG_DECAY_THRESHOLD, cu_seqlens_host: list[int] | None = None,
-            return_products: bool = False):
+            keep_for_backward: bool = False):
     """(o, final_state or None) for q, k [B, T, Hqk, 128], v [B, T, Hv, 128], g, beta [B, T, Hv].
 
     log_decay_threshold: how far a piece of a split sequence may truncate the history it rebuilds
     its entering state from (chunk_plan.walk_starts); -inf never truncates.
     cu_seqlens_host: cu_seqlens as a Python list when the caller has already read it back; saves
     the forward's only device->host sync.
-    return_products: also return (gated_inverse, scores), [T, Hv, 64] each, which the backward
-    can take instead of recomputing them.
+    keep_for_backward: also return a KeptForward, which `backward.backward(..., kept=...)` takes
+    instead of recomputing the inverse, the products and the chunk states.
     """
     check_supported(q, v)
     batch_size, seq_len, num_qk_heads, head_dim = q.shape
@@ -68,14 +82,18 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
                         host_bounds=cu_seqlens_host)
     gamma = chunk_local_cumsum(g.reshape(1, num_tokens, num_v_heads), cu_seqlens, chunk_index=plan.chunk_index)
     gamma = gamma.view(num_tokens, num_v_heads)
-    gated_inverse, scores = gated_products(q_flat, k_flat, gamma, beta_flat, scale, cu_seqlens, plan.chunk_index)
+    products = gated_products(q_flat, k_flat, gamma, beta_flat, scale, cu_seqlens, plan.chunk_index,
+                              with_inverse=keep_for_backward)
+    gated_inverse, scores = products[:2]
     walk = walk_starts(plan.pieces, cu_seqlens, gamma, log_decay_threshold, plan.max_walk_back,
                        walk_index=plan.walk_index)
     h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
-    o, final_state, _ = fused_forward(
+    o, final_state, chunk_states = fused_forward(
         q_flat, k_flat, v_flat, gamma, gated_inverse, scores, scale, h0,
-        cu_seqlens, plan.value_block, plan.pieces, walk, offsets=plan.chunk_offsets)
+        cu_seqlens, plan.value_block, plan.pieces, walk, store_chunk_states=keep_for_backward,
+        offsets=plan.chunk_offsets, num_chunks=plan.chunk_index.shape[0])
     o = o.view(batch_size, seq_len, num_v_heads, head_dim)
-    if return_products:
-        return o, (final_state if output_final_state else None), (gated_inverse, scores)
-    return o, (final_state if output_final_state else None)
+    final_state = final_state if output_final_state else None
+    if keep_for_backward:
+        return o, final_state, KeptForward(gamma, gated_inverse, scores, products[2], chunk_states)
+    return o, final_state

@@ -2,6 +2,7 @@
 
 1. Recompute what the forward did not keep: gamma, the gate-free inverse A~, the gated inverse Ab
    and masked scores Pm (inverse.py), and the bf16 state entering every chunk (chunk_states.py).
+   With the forward's `KeptForward` none of this runs.
 2. Walk the chunks in reverse for the state gradient leaving every chunk, and dh0
    (backward_state_grads.py; the only sequential part, light: four small products per chunk).
 3. Every chunk in parallel: dq, dk, dv, dg, dbeta (backward_chunk_grads.py: persistent CTAs, TMA
@@ -12,6 +13,7 @@ result deterministic (no atomics).
 
 import torch
 
+from flashqla.hopper import KeptForward
 from flashqla.hopper.backward_chunk_grads import HEAD_DIM, chunk_gradients, compile_chunk_grads
 from flashqla.hopper.backward_state_grads import compile_state_grads, state_gradients
 from flashqla.hopper.chunk_plan import device_sm_count, flat_cu_seqlens, plan_forward, value_block_size
@@ -30,7 +32,7 @@ COMPILE_CHECKS = [
 
 
 def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seqlens_host: list[int] | None = None,
-             products: tuple[torch.Tensor, torch.Tensor] | None = None):
+             kept: KeptForward | None = None):
     """Gradients of (o, final_state) for inputs as given to `flashqla.hopper.forward`.
 
     q, k: [B, T, Hqk, 128]; v, do: [B, T, Hv, 128]; g, beta: [B, T, Hv]; initial_state, dht:
@@ -40,8 +42,8 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seq
     there is no initial state (the gradient a zero initial state would get).
     cu_seqlens_host: cu_seqlens as a list when the caller holds it (the forward's plan is then
     reused from its cache with no device->host read).
-    products: (gated_inverse, scores) as `hopper.forward(..., return_products=True)` gave them for
-    these inputs; recomputed when None.
+    kept: what `hopper.forward(..., keep_for_backward=True)` returned for these inputs; everything
+    in it is recomputed when None.
     """
     head_k, head_v = q.shape[-1], v.shape[-1]
     if head_k != HEAD_DIM or head_v != HEAD_DIM:
@@ -75,24 +77,30 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seq
     beta_flat = beta.reshape(num_tokens, num_v_heads).to(torch.float32).contiguous()
 
     chunk_index, offsets = plan.chunk_index, plan.chunk_offsets
-    gamma = chunk_local_cumsum(g_flat.unsqueeze(0), cu_seqlens, chunk_index=chunk_index)
-    inverse = gate_free_inverse(k_flat.unsqueeze(0), beta_flat.unsqueeze(0), cu_seqlens, chunk_index=chunk_index)
-    inverse = inverse.view(num_tokens, num_v_heads, -1)
     h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
-
     busy_sequences = max(sum(b > a for a, b in zip(cu_seqlens_host, cu_seqlens_host[1:])), 1)
     value_block = value_block_size(busy_sequences, num_v_heads, HEAD_DIM, sm_count, MAX_VALUE_BLOCK)
-    gamma = gamma.view(num_tokens, num_v_heads)
-    states, _, _ = chunk_states(k_flat, v_flat, gamma, beta_flat, inverse, h0, cu_seqlens, value_block=value_block,
-                                offsets=offsets, num_chunks=chunk_index.shape[0])
+
+    if kept is not None:  # float16 inputs kept float16 tensors; the kernels here read bf16
+        gamma = kept.gamma
+        gated_inverse, scores, states = (x.to(torch.bfloat16)
+                                         for x in (kept.gated_inverse, kept.scores, kept.chunk_states))
+    else:
+        gamma = chunk_local_cumsum(g_flat.unsqueeze(0), cu_seqlens, chunk_index=chunk_index)
+        gamma = gamma.view(num_tokens, num_v_heads)
+    if kept is not None and kept.inverse is not None:
+        inverse = kept.inverse.to(torch.bfloat16)
+    else:
+        inverse = gate_free_inverse(k_flat.unsqueeze(0), beta_flat.unsqueeze(0), cu_seqlens, chunk_index=chunk_index)
+        inverse = inverse.view(num_tokens, num_v_heads, -1)
+    if kept is None:
+        states, _, _ = chunk_states(k_flat, v_flat, gamma, beta_flat, inverse, h0, cu_seqlens,
+                                    value_block=value_block, offsets=offsets, num_chunks=chunk_index.shape[0])
+        gated_inverse, scores = gated_products(q_flat, k_flat, gamma, beta_flat, scale, cu_seqlens, chunk_index)
 
     if dht is None:
         dht = torch.zeros(num_sequences, num_v_heads, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=device)
     dht = dht.to(torch.float32).contiguous()
-    if products is None:
-        gated_inverse, scores = gated_products(q_flat, k_flat, gamma, beta_flat, scale, cu_seqlens, chunk_index)
-    else:  # float16 inputs gave float16 products; the kernels here read bf16
-        gated_inverse, scores = (p.reshape(num_tokens, num_v_heads, -1).to(torch.bfloat16) for p in products)
     state_grads, dh0 = state_gradients(q_flat, k_flat, gamma, gated_inverse, scores, do_flat, dht, scale, cu_seqlens,
                                        offsets, chunk_index.shape[0], value_block)
     dq_head, dk_head, dv, dg, dbeta = chunk_gradients(q_flat, k_flat, v_flat, gamma, beta_flat, inverse, states,

@@ -18,8 +18,10 @@ FORWARD_COMPILE_CHECKS = [
     ("gate_free_inverse", lambda: compile_inverse()),
     ("gated_products", lambda: compile_gated_products()),
     ("fused_forward", lambda: compile_fused_forward(64)),
+    ("fused_forward_keeping_states", lambda: compile_fused_forward(64, store_chunk_states=True)),
     ("chunk_states", lambda: compile_chunk_states(64, with_transition=True)),
     ("grouped_products", lambda: compile_grouped_products()),
+    ("grouped_products_with_inverse", lambda: compile_grouped_products(write_inverse=True)),
 ]
 
 

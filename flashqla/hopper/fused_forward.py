@@ -126,8 +126,11 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", head_dim: i
                     end_decay[t] = T.if_then_else(t <= last, T.exp2(gamma_shared[_C - 1] - gamma_shared[t]), 0.0)
                 T.copy(state, state_shared)
                 if store_chunk_states:
-                    T.copy(state_shared, chunk_states[first_chunk + (left - cu_seqlens[sequence]) // _C, head,
-                                                      0:K, v0:v0 + BV])
+                    # The piece's own chunks only: a warm-up chunk belongs to the piece before,
+                    # whose CTA stores it.
+                    if left >= piece_start:
+                        T.copy(state_shared, chunk_states[first_chunk + (left - cu_seqlens[sequence]) // _C, head,
+                                                          0:K, v0:v0 + BV])
                 T.gemm(k_shared, state_shared, u, clear_accum=True)
                 T.gemm(q_shared, state_shared, out, clear_accum=True)
                 chunk_decay = row_decay[_C - 1]
@@ -174,13 +177,16 @@ def _dtype_name(tensor: torch.Tensor) -> str:
 def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma: torch.Tensor,
                   gated_inverse: torch.Tensor, scores: torch.Tensor, scale: float, initial_state: torch.Tensor | None,
                   cu_seqlens: torch.Tensor, value_block: int, pieces: torch.Tensor, walk_start: torch.Tensor,
-                  store_chunk_states: bool = False, offsets: torch.Tensor | None = None):
+                  store_chunk_states: bool = False, offsets: torch.Tensor | None = None,
+                  num_chunks: int | None = None):
     """(o, final_state, chunk_states or None) on flattened inputs.
 
     q, k: [T, Hqk, K]; v: [T, Hv, V]; gamma (fp32 chunk-local cumsum): [T, Hv];
     gated_inverse, scores: [T, Hv, 64] from inverse.gated_products; initial_state: [N, Hv, K, V] fp32 or None; cu_seqlens: int32 [N+1];
-    pieces, walk_start: from chunk_plan.plan_pieces / walk_starts. chunk_states (bf16 states entering
-    every chunk) needs one piece per sequence.
+    pieces, walk_start: from chunk_plan.plan_pieces / walk_starts. store_chunk_states: also return the
+    state entering every chunk, [num_chunks, Hv, K, V] in v's dtype (chunk c of sequence n at row
+    offsets[n] + c); in a split sequence each piece's states come from its own (warm-up) walk.
+    num_chunks: offsets' last entry when the caller knows it.
     """
     num_tokens, num_qk_heads, head_dim = k.shape
     num_v_heads = v.shape[1]
@@ -193,7 +199,10 @@ def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma: torc
         initial_state = torch.empty(num_sequences, num_v_heads, head_dim, head_dim, dtype=torch.float32,
                                     device=device)
     final_state = torch.empty(num_sequences, num_v_heads, head_dim, head_dim, dtype=torch.float32, device=device)
-    total_chunks = int(offsets[-1].item()) if store_chunk_states else 1
+    if not store_chunk_states:
+        total_chunks = 1
+    else:  # num_chunks (the plan's) spares a device->host read
+        total_chunks = int(offsets[-1].item()) if num_chunks is None else num_chunks
     states = torch.empty(max(total_chunks, 1), num_v_heads, head_dim, head_dim, dtype=v.dtype, device=device)
     o = torch.empty_like(v)
     kernel = compile_fused_forward(value_block, _dtype_name(v), head_dim, store_chunk_states)

@@ -220,13 +220,15 @@ def compile_gated_products(head_dim: int = 128, dtype: str = "bfloat16", beta_dt
 
 def gated_products(q: torch.Tensor, k: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, scale: float,
                    cu_seqlens: torch.Tensor, chunk_index: torch.Tensor, grouped: bool | None = None,
-                   min_blocks_per_sm: int = MIN_BLOCKS_PER_SM) -> tuple[torch.Tensor, torch.Tensor]:
+                   min_blocks_per_sm: int = MIN_BLOCKS_PER_SM, with_inverse: bool = False):
     """(gated_inverse, scores), each [T, Hv, 64] in q's dtype, on flattened inputs:
     q, k [T, Hqk, K]; gamma (fp32 chunk-local cumsum), beta [T, Hv]; cu_seqlens int32 [N+1].
 
     grouped=True runs grouped_products.py (one CTA per chunk and qk head, its value heads sharing
     the Q K^T and K K^T products; Hv / Hqk <= 8; min_blocks_per_sm is its register cap), 1.3-1.4x
     faster on the H200; None picks it wherever the group fits, else the per-value-head kernel here.
+    with_inverse: return (gated_inverse, scores, inverse) with the gate-free inverse A~ [T, Hv, 64]
+    in q's dtype as a by-product of the grouped kernel, or None from the per-value-head one.
     """
     num_tokens, num_v_heads = gamma.shape
     if grouped is None:
@@ -236,11 +238,16 @@ def gated_products(q: torch.Tensor, k: torch.Tensor, gamma: torch.Tensor, beta: 
                          f"got Hv={num_v_heads}, Hqk={q.shape[1]}")
     gated_inverse = torch.empty(num_tokens, num_v_heads, _C, dtype=q.dtype, device=q.device)
     scores = torch.empty_like(gated_inverse)
+    write_inverse = with_inverse and grouped
+    inverse = torch.empty((num_tokens if write_inverse else 1), num_v_heads, _C, dtype=q.dtype, device=q.device)
     if chunk_index.shape[0] > 0:
         dtypes = (str(q.dtype).removeprefix("torch."), str(beta.dtype).removeprefix("torch."))
         if grouped:
-            kernel = compile_grouped_products(q.shape[-1], *dtypes, min_blocks_per_sm)
+            kernel = compile_grouped_products(q.shape[-1], *dtypes, min_blocks_per_sm, write_inverse)
+            kernel(q, k, gamma, beta, cu_seqlens, chunk_index, gated_inverse, scores, inverse, float(scale))
         else:
             kernel = compile_gated_products(q.shape[-1], *dtypes)
-        kernel(q, k, gamma, beta, cu_seqlens, chunk_index, gated_inverse, scores, float(scale))
+            kernel(q, k, gamma, beta, cu_seqlens, chunk_index, gated_inverse, scores, float(scale))
+    if with_inverse:
+        return gated_inverse, scores, (inverse if write_inverse else None)
     return gated_inverse, scores

@@ -1,0 +1,134 @@
+"""The keep_forward candidate (flashqla/hopper/candidates.py): the forward keeps gamma, A~, Ab, P
+and the state entering every chunk (hopper.KeptForward) and the backward recomputes none of them.
+
+Run on an H200 with `pytest -m gpu -s` (tools/device_session.sh's `candidates` part). What decides:
+the kept tensors agree with what the backward would recompute, the gradients stay within the
+float64 tolerance on the grid (ragged, split sequences, strong decay, a head group too large for
+the grouped products kernel, float16, the public op under checkpointing), and the timing test
+shows forward + backward faster. The memory cost is about T * Hv * 900 bytes of saved tensors.
+"""
+import pytest
+import torch
+
+from hopper_grid import (GRAD_NAMES, RAGGED, TOLERANCE, assert_close_to_reference, float64_gradients, make_inputs,
+                         make_backward_inputs, on_hopper)
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not on_hopper, reason="needs an SM90 (Hopper) GPU")]
+SCALE = 128 ** -0.5
+ARGS = ("q", "k", "v", "g", "beta")
+
+
+def forward_then_backward(inputs, do, dht, keep: bool):
+    from flashqla import hopper
+    from flashqla.hopper.backward import backward
+
+    args = [inputs[n] for n in ARGS]
+    _, _, kept = hopper.forward(*args, SCALE, inputs["initial_state"], True, inputs["cu_seqlens"],
+                                keep_for_backward=True)
+    return backward(*args, SCALE, inputs["initial_state"], inputs["cu_seqlens"], do, dht,
+                    kept=kept if keep else None)
+
+
+@pytest.mark.parametrize("lengths", [[4096], RAGGED, [32768], [28672, 4096]],
+                         ids=["1x4096", "ragged", "1x32768", "28672+4096"])
+@pytest.mark.parametrize("heads", [(16, 64), (16, 16), (2, 8), (1, 16)], ids=["16_64", "16_16", "2_8", "1_16"])
+def test_kept_forward_gradients_match_float64(heads, lengths):
+    """2/8 splits its sequences into pieces (truncated warm-ups); 1/16's group of 16 takes the
+    per-value-head products kernel, which keeps no A~ (the backward recomputes it)."""
+    inputs, do, dht = make_backward_inputs(lengths, *heads, True, strong_decay=True)
+    kept = forward_then_backward(inputs, do, dht, keep=True)
+    for name, grad in zip(GRAD_NAMES, kept):
+        assert torch.isfinite(grad).all(), name
+    assert_close_to_reference(kept, float64_gradients(inputs, do, dht))
+
+
+@pytest.mark.parametrize("heads", [(16, 64), (2, 8)], ids=["16_64", "2_8"])
+def test_kept_tensors_match_the_backwards_recomputation(heads):
+    from flashqla import hopper
+    from flashqla.hopper.chunk_plan import chunk_indices
+    from flashqla.hopper.chunk_states import chunk_states
+    from flashqla.hopper.inverse import gate_free_inverse
+    from flashqla.testing import relative_error
+
+    inputs = make_inputs(RAGGED + [8192], *heads, True, seed=3)
+    num_tokens, num_v_heads = inputs["g"].shape[1:]
+    _, _, kept = hopper.forward(*(inputs[n] for n in ARGS), SCALE, inputs["initial_state"], True,
+                                inputs["cu_seqlens"], keep_for_backward=True)
+    cu = inputs["cu_seqlens"]
+    inverse = gate_free_inverse(inputs["k"], inputs["beta"], cu, chunk_index=chunk_indices(cu))
+    assert relative_error(kept.inverse, inverse.view_as(kept.inverse)) <= 1e-2
+    states, _, _ = chunk_states(inputs["k"][0], inputs["v"][0], kept.gamma, inputs["beta"][0],
+                                inverse.view(num_tokens, num_v_heads, -1), inputs["initial_state"], cu)
+    assert torch.isfinite(kept.chunk_states).all()
+    assert relative_error(kept.chunk_states, states) <= 1e-2
+
+
+def test_kept_float16_tensors_stay_within_tolerance():
+    """float16 inputs keep float16 tensors, which the backward converts to bf16."""
+    inputs, do, dht = make_inputs(RAGGED, 4, 16, True, dtype=torch.float16, with_output_grads=True)
+    assert_close_to_reference(forward_then_backward(inputs, do, dht, keep=True), float64_gradients(inputs, do, dht))
+
+
+def test_kept_forward_is_bitwise_deterministic():
+    inputs, do, dht = make_backward_inputs(RAGGED + [8192], 16, 64, True)
+    first = forward_then_backward(inputs, do, dht, keep=True)
+    second = forward_then_backward(inputs, do, dht, keep=True)
+    for name, a, b in zip(GRAD_NAMES, first, second):
+        assert torch.equal(a, b), name
+
+
+def test_public_op_with_kept_forward_under_checkpointing():
+    import flashqla
+    from flashqla.hopper import candidates
+    from flashqla.testing import relative_error
+    from torch.utils.checkpoint import checkpoint
+
+    inputs, do, dht = make_backward_inputs(RAGGED, 2, 8, True)
+    names = ARGS + ("initial_state",)
+
+    def grads(keep: bool, reentrant: bool):
+        leaves = [inputs[n].clone().requires_grad_() for n in names]
+
+        def op(q, k, v, g, beta, h0):
+            return flashqla.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                                   cu_seqlens=inputs["cu_seqlens"], backend="tilelang")
+
+        with candidates.use(*(("keep_forward",) if keep else ())):
+            o, final_state = checkpoint(op, *leaves, use_reentrant=reentrant)
+            loss = (o.float() * do.float()).sum() + (final_state * dht).sum()
+            return torch.autograd.grad(loss, leaves)
+
+    recomputed = grads(False, False)
+    reference = float64_gradients(inputs, do, dht)
+    for reentrant in (False, True):
+        kept = grads(True, reentrant)
+        for name, a, b in zip(names, kept, recomputed):
+            assert relative_error(a, b) <= 5e-3, (reentrant, name)
+        assert all(relative_error(a, r) <= TOLERANCE for a, r in zip(kept, reference))
+
+
+@pytest.mark.parametrize("heads", [(16, 64), (2, 8)], ids=["16_64", "2_8"])
+def test_kept_forward_time(heads):
+    """Prints do_bench medians of forward + backward through the public op with and without the
+    candidate, and of the forward alone (run with -s)."""
+    from triton.testing import do_bench
+
+    import flashqla
+    from flashqla.hopper import candidates
+
+    inputs, do, dht = make_backward_inputs([32768], *heads, True)
+    leaves = [inputs[n].clone().requires_grad_() for n in ARGS + ("initial_state",)]
+
+    def step():
+        o, final_state = flashqla.chunk_gated_delta_rule(
+            *leaves[:5], initial_state=leaves[5], output_final_state=True, cu_seqlens=inputs["cu_seqlens"],
+            cu_seqlens_cpu=inputs["cu_seqlens"].cpu(), backend="tilelang")
+        torch.autograd.backward((o, final_state), (do, dht))
+
+    times = {}
+    for name, chosen in (("recomputed", ()), ("kept", ("keep_forward",))):
+        with candidates.use(*chosen):
+            times[name] = do_bench(step, warmup=10, rep=300, return_mode="median", grad_to_none=leaves)
+    print(f"\nforward + backward {heads[0]}/{heads[1]} 1x32768: recomputed {times['recomputed']:.3f} ms, "
+          f"kept {times['kept']:.3f} ms ({times['recomputed'] / times['kept']:.2f}x)")
+    assert times["kept"] < times["recomputed"]
