@@ -240,9 +240,8 @@ def main(argv=None) -> None:
                 row["first_call_s"][impl_name] = first_call_s(fn, inputs)
             except Exception as error:  # e.g. a backward that refuses to run: still time the forward
                 row[f"{impl_name}_first_call_error"] = f"{type(error).__name__}: {error}"[:300]
-        if args.warm_only:
-            print(format_row(row, impls), flush=True)
-            continue
+            if args.warm_only:
+                continue
             try:
                 forward_ms = time_forward(fn, inputs, args.rep)
                 if do_forward:
@@ -251,6 +250,9 @@ def main(argv=None) -> None:
                     row[f"{impl_name}_bwd_ms"] = time_backward(fn, inputs, args.rep, forward_ms)
             except Exception as error:  # a baseline failing must not hide the others' numbers
                 row[f"{impl_name}_error"] = f"{type(error).__name__}: {error}"[:300]
+        if args.warm_only:
+            print(format_row(row, impls), flush=True)
+            continue
         if "fla" in impls and "fla_error" not in row:
             try:
                 with torch.no_grad():

@@ -117,3 +117,44 @@ def test_host_offsets_are_what_the_kernels_plan_from(monkeypatch):
     inputs["cu_seqlens"] = inputs["cu_seqlens"].as_subclass(NoReadback)
     assert api.check_inputs(*(inputs[n] for n in ("q", "k", "v", "g", "beta")), None, inputs["initial_state"],
                             inputs["cu_seqlens"], host) == host.tolist()
+
+
+def test_the_forwards_kept_tensors_reach_the_backward(monkeypatch):
+    """By default the backward gets the very tensors the forward made; inside recompute_for_backward()
+    None; and a forward under no_grad keeps nothing (no backward will read it)."""
+    import contextlib
+
+    import flashqla
+    from flashqla import api, hopper
+    from flashqla.hopper import backward as backward_module
+
+    made, received, asked = [], [], []
+
+    def fake_forward(q, k, v, *args, keep_for_backward=False, **kwargs):
+        asked.append(keep_for_backward)
+        kept = hopper.KeptForward(torch.zeros(4, 1), torch.full((4, 1, 64), 2.0), torch.full((4, 1, 64), 3.0),
+                                  None, torch.ones(1, 1, 8, 8))
+        made.append(kept)
+        return (v * 1.0, None, kept) if keep_for_backward else (v * 1.0, None)
+
+    def fake_backward(q, k, v, g, beta, scale, h0, cu, d_o, d_state, cu_seqlens_host=None, kept=None):
+        received.append(kept)
+        return (torch.zeros_like(q), torch.zeros_like(k), d_o, torch.zeros_like(g), torch.zeros_like(beta), None)
+
+    monkeypatch.setattr(hopper, "forward", fake_forward)
+    monkeypatch.setattr(backward_module, "backward", fake_backward)
+    q, k = torch.randn(1, 4, 1, 8), torch.randn(1, 4, 1, 8)
+    g, beta = torch.zeros(1, 4, 1), torch.ones(1, 4, 1)
+    for keep in (True, False):
+        v = torch.randn(1, 4, 1, 8, requires_grad=True)
+        with contextlib.nullcontext() if keep else flashqla.recompute_for_backward():
+            o, _ = api.HopperGatedDeltaRule.apply(q, k, v, g, beta, 1.0, None, False, None, None,
+                                                  api._keep_forward(q, k, v, g, beta))
+        o.sum().backward()
+    assert isinstance(received[0], hopper.KeptForward)
+    assert all(a is b for a, b in zip(received[0], made[0]))
+    assert received[1] is None
+    with torch.no_grad():
+        assert not api._keep_forward(q, k, v, g, beta)
+    assert api._keep_forward(q, k, v, g, beta)  # the block above closed
+    assert asked == [True, False]

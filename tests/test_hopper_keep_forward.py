@@ -1,11 +1,12 @@
-"""The keep_forward candidate (flashqla/hopper/candidates.py): the forward keeps gamma, A~, Ab, P
-and the state entering every chunk (hopper.KeptForward) and the backward recomputes none of them.
+"""The forward keeps gamma, A~, Ab, P and the state entering every chunk (hopper.KeptForward) and the
+backward recomputes none of them (the default since the H200 run of 2026-11-30;
+flashqla.recompute_for_backward() turns it off).
 
-Run on an H200 with `pytest -m gpu -s` (tools/device_session.sh's `candidates` part). What decides:
-the kept tensors agree with what the backward would recompute, the gradients stay within the
-float64 tolerance on the grid (ragged, split sequences, strong decay, a head group too large for
-the grouped products kernel, float16, the public op under checkpointing), and the timing test
-shows forward + backward faster. The memory cost is about T * Hv * 900 bytes of saved tensors.
+Checked: the kept tensors agree with what the backward would recompute, the gradients stay within
+the float64 tolerance on the grid (ragged, split sequences, strong decay, a head group too large for
+the grouped products kernel, float16, the public op under both kinds of checkpointing), and the
+timing test (`pytest -s` prints it) shows forward + backward faster. The memory cost is about
+T * Hv * 900 bytes of saved tensors.
 """
 import pytest
 import torch
@@ -78,8 +79,9 @@ def test_kept_forward_is_bitwise_deterministic():
 
 
 def test_public_op_with_kept_forward_under_checkpointing():
+    import contextlib
+
     import flashqla
-    from flashqla.hopper import candidates
     from flashqla.testing import relative_error
     from torch.utils.checkpoint import checkpoint
 
@@ -93,7 +95,7 @@ def test_public_op_with_kept_forward_under_checkpointing():
             return flashqla.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
                                                    cu_seqlens=inputs["cu_seqlens"], backend="tilelang")
 
-        with candidates.use(*(("keep_forward",) if keep else ())):
+        with contextlib.nullcontext() if keep else flashqla.recompute_for_backward():
             o, final_state = checkpoint(op, *leaves, use_reentrant=reentrant)
             loss = (o.float() * do.float()).sum() + (final_state * dht).sum()
             return torch.autograd.grad(loss, leaves)
@@ -103,18 +105,18 @@ def test_public_op_with_kept_forward_under_checkpointing():
     for reentrant in (False, True):
         kept = grads(True, reentrant)
         for name, a, b in zip(names, kept, recomputed):
-            assert relative_error(a, b) <= 5e-3, (reentrant, name)
+            assert relative_error(a, b) <= 1e-2, (reentrant, name)
         assert all(relative_error(a, r) <= TOLERANCE for a, r in zip(kept, reference))
 
 
 @pytest.mark.parametrize("heads", [(16, 64), (2, 8)], ids=["16_64", "2_8"])
 def test_kept_forward_time(heads):
-    """Prints do_bench medians of forward + backward through the public op with and without the
-    candidate, and of the forward alone (run with -s)."""
+    """Prints do_bench medians of forward + backward through the public op, kept and recomputed (run with -s)."""
+    import contextlib
+
     from triton.testing import do_bench
 
     import flashqla
-    from flashqla.hopper import candidates
 
     inputs, do, dht = make_backward_inputs([32768], *heads, True)
     leaves = [inputs[n].clone().requires_grad_() for n in ARGS + ("initial_state",)]
@@ -126,8 +128,8 @@ def test_kept_forward_time(heads):
         torch.autograd.backward((o, final_state), (do, dht))
 
     times = {}
-    for name, chosen in (("recomputed", ()), ("kept", ("keep_forward",))):
-        with candidates.use(*chosen):
+    for name, block in (("recomputed", flashqla.recompute_for_backward), ("kept", contextlib.nullcontext)):
+        with block():
             times[name] = do_bench(step, warmup=10, rep=300, return_mode="median", grad_to_none=leaves)
     print(f"\nforward + backward {heads[0]}/{heads[1]} 1x32768: recomputed {times['recomputed']:.3f} ms, "
           f"kept {times['kept']:.3f} ms ({times['recomputed'] / times['kept']:.2f}x)")

@@ -128,8 +128,8 @@ def compile_ours(shapes, like_the_model: bool = False, with_initial_state: bool 
             d_state = torch.randn_like(x["initial_state"])
         hopper.forward(q, k, v, x["g"], beta, None, h0, not like_the_model, cu)
         backward(q, k, v, x["g"], beta, 128 ** -0.5, h0, cu, torch.randn_like(v), d_state)
-        # the keep_forward candidate's variants (the grouped products that also store A~, the fused
-        # walk that stores the chunk states), as the autograd Function calls them
+        # the variants a differentiated forward runs (the grouped products that also store A~, the fused
+        # walk that stores the chunk states), and the backward that reads them
         _, _, kept = hopper.forward(q, k, v, x["g"], beta, None, h0, not like_the_model, cu, keep_for_backward=True)
         backward(q, k, v, x["g"], beta, 128 ** -0.5, h0, cu, torch.randn_like(v), d_state, kept=kept)
         variant = "as the model calls it" if like_the_model else f"{dtype_name}, h0={with_initial_state}"

@@ -12,12 +12,10 @@ import contextlib
 import os
 
 # grouped_products and the persistent chunk-gradient kernel (backward_chunk_grads.py) became the
-# defaults after the H200 run of 2026-11-30.
-# keep_forward: the autograd Function saves the forward's gamma, A~, Ab, P and the state entering
-# every chunk (hopper.KeptForward, about T * Hv * 900 bytes: 1.9 GB for 64 value heads x 32768 tokens),
-# so the backward skips the cumsum, the inverse, the products and the chunk-state walk (about 4.4 ms of
-# 14.3 on 16/64 x 32768 by the stage times); not yet run on a GPU.
-NAMES: tuple[str, ...] = ("keep_forward",)
+# defaults after the H200 run of 2026-11-30, and so did keep_forward (the forward keeps what the
+# backward would recompute: forward + backward 1.33x faster on 16/64 x 32768, 1.42x on 2/8;
+# flashqla.recompute_for_backward() turns it off).
+NAMES: tuple[str, ...] = ()
 ENV_VAR = "FLASHQLA_CANDIDATES"
 _chosen: tuple[str, ...] | None = None  # set by use(); None: read the environment
 
