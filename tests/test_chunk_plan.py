@@ -119,7 +119,7 @@ def test_plan_cache_is_keyed_by_every_argument():
     variants = {
         "bounds": plan_forward(torch.tensor([0, 4096, 32768], dtype=torch.int32), 8, 128, 132, 64),
         "heads": plan_forward(cu, 16, 128, 132, 64),
-        "sm_count": plan_forward(cu, 8, 128, 66, 64),
+        "sm_count": plan_forward(cu, 8, 128, 528, 64),
         "max_value_block": plan_forward(cu, 8, 128, 132, 32),
         "min_piece_chunks": plan_forward(cu, 8, 128, 132, 64, min_piece_chunks=4),
         "host_bounds": plan_forward(cu, 8, 128, 132, 64, host_bounds=[0, 4096, 32768]),
@@ -128,9 +128,9 @@ def test_plan_cache_is_keyed_by_every_argument():
         assert plan is not base, name
     # and each variant holds its own arguments' plan, not a neighbour's
     assert_same_plan(variants["heads"], build_forward_plan([0, 28672, 32768], cu.device, 16, 128, 132, 64))
-    assert_same_plan(variants["sm_count"], build_forward_plan([0, 28672, 32768], cu.device, 8, 128, 66, 64))
+    assert_same_plan(variants["sm_count"], build_forward_plan([0, 28672, 32768], cu.device, 8, 128, 528, 64))
     assert_same_plan(variants["host_bounds"], build_forward_plan([0, 4096, 32768], cu.device, 8, 128, 132, 64))
-    assert variants["sm_count"].pieces.shape[0] < base.pieces.shape[0]
+    assert variants["sm_count"].pieces.shape[0] > base.pieces.shape[0]
     assert variants["max_value_block"].value_block == 32 and base.value_block == 64
 
 
@@ -185,3 +185,29 @@ def test_chunk_states_takes_the_plans_offsets_only_with_their_chunk_count():
         chunk_states(k, v, gamma, beta, inverse, None, cu, offsets=chunk_offsets(cu))
     with pytest.raises(ValueError, match="offsets and num_chunks together"):
         chunk_states(k, v, gamma, beta, inverse, None, cu, num_chunks=3)
+
+
+def test_pieces_cut_a_dominant_sequence_even_past_one_cta_per_sm():
+    """8/24 heads, 28672 + 4096 tokens, 48 CTAs a piece: one piece per sequence fills only 96 SMs but
+    walks 448 chunks; cutting the long one gives more CTAs than SMs and a much shorter walk."""
+    from flashqla.hopper.chunk_plan import _split_rows, _walk_makespan
+
+    bounds = [0, 28672, 32768]
+    plan = build_forward_plan(bounds, torch.device("cpu"), 24, 128, 132, 64)
+    rows = [tuple(r) for r in plan.pieces.tolist()]
+    longest = max(-(-(end - start) // 64) for _, start, end, _ in rows)
+    assert plan.value_block == 64 and longest <= 256
+    assert len(rows) * 24 * 2 > 132
+    unsplit = _split_rows(bounds, [448, 64], None, 64)
+    assert _walk_makespan(rows, bounds, 48, 132, 64) < 0.6 * _walk_makespan(unsplit, bounds, 48, 132, 64)
+
+
+def test_walk_makespan_counts_waves_and_warmup():
+    from flashqla.hopper.chunk_plan import PLANNED_WARMUP_CHUNKS, _walk_makespan
+
+    bounds = [0, 64 * 100]
+    one_piece = [(0, 0, 6400, 1)]
+    assert _walk_makespan(one_piece, bounds, 132, 132, 64) == 100
+    assert _walk_makespan(one_piece, bounds, 133, 132, 64) == 200   # one CTA waits for a free SM
+    two_pieces = [(0, 0, 3200, 0), (0, 3200, 6400, 1)]
+    assert _walk_makespan(two_pieces, bounds, 66, 132, 64) == 50 + PLANNED_WARMUP_CHUNKS

@@ -1,6 +1,7 @@
 """Planning helpers for the Hopper kernels: which chunk each CTA walks, V-split choice, pieces."""
 
 import functools
+import heapq
 from dataclasses import dataclass
 
 import numpy as np
@@ -65,16 +66,17 @@ def _cuda_sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _piece_rows(bounds: list[int], chunks: list[int], ctas_per_piece: int, sm_count: int,
-                min_piece_chunks: int, chunk_size: int) -> list[tuple[int, int, int, int]]:
-    busy = sum(1 for c in chunks if c > 0)
-    target_pieces = sm_count // max(ctas_per_piece, 1)
-    if busy >= target_pieces or sum(chunks) == 0:
-        return [(i, bounds[i], bounds[i + 1], 1) for i in range(len(chunks))]
+# Chunks a split piece's CTA is expected to walk before its own (the decay-truncated warm-up; about
+# 4 for Qwen-like decays). Only used to compare piece plans.
+PLANNED_WARMUP_CHUNKS = 4
+
+
+def _split_rows(bounds: list[int], chunks: list[int], piece_chunks: int | None,
+                chunk_size: int) -> list[tuple[int, int, int, int]]:
+    """Every sequence cut into near-equal pieces of at most piece_chunks chunks (None: not cut)."""
     rows = []
-    piece_chunks = max(min_piece_chunks, -(-sum(chunks) // target_pieces))
     for i, n_chunks in enumerate(chunks):
-        n_pieces = max(1, -(-n_chunks // piece_chunks))
+        n_pieces = 1 if piece_chunks is None else max(1, -(-n_chunks // piece_chunks))
         per_piece = -(-n_chunks // n_pieces)
         for p in range(n_pieces):
             start = bounds[i] + p * per_piece * chunk_size
@@ -84,6 +86,39 @@ def _piece_rows(bounds: list[int], chunks: list[int], ctas_per_piece: int, sm_co
         seq, start, end, _ = rows[-1]
         rows[-1] = (seq, start, end, 1)
     return rows
+
+
+def _walk_makespan(rows, bounds: list[int], ctas_per_piece: int, sm_count: int, chunk_size: int) -> int:
+    """Chunk steps until the last CTA of a fused walk over these pieces ends: one CTA per SM at a
+    time, started in grid order (piece-major) on whichever SM frees first."""
+    free_at = [0] * sm_count
+    for seq, start, end, _ in rows:
+        steps = -(-(end - start) // chunk_size) + (PLANNED_WARMUP_CHUNKS if start > bounds[seq] else 0)
+        for _ in range(ctas_per_piece):
+            heapq.heapreplace(free_at, free_at[0] + steps)
+    return max(free_at)
+
+
+def _piece_rows(bounds: list[int], chunks: list[int], ctas_per_piece: int, sm_count: int,
+                min_piece_chunks: int, chunk_size: int) -> list[tuple[int, int, int, int]]:
+    """The piece plan with the shortest simulated walk among: no cut, and cuts into pieces of
+    ceil(total / k) chunks (at least min_piece_chunks). More CTAs than SMs can win: with 28672 +
+    4096 tokens and 48 CTAs a piece, cutting the long sequence in two gives 144 CTAs and halves the
+    longest walk, the short sequence's CTAs running in the gaps."""
+    unsplit = _split_rows(bounds, chunks, None, chunk_size)
+    total = sum(chunks)
+    if total == 0 or len(unsplit) * ctas_per_piece >= 4 * sm_count:
+        return unsplit  # empty, or enough CTAs to fill the SMs several times over
+    best, best_steps = unsplit, _walk_makespan(unsplit, bounds, ctas_per_piece, sm_count, chunk_size)
+    lengths = {max(min_piece_chunks, -(-total // k)) for k in range(1, 4 * sm_count // ctas_per_piece + 2)}
+    for length in sorted(lengths, reverse=True):
+        if length >= max(chunks):
+            continue
+        rows = _split_rows(bounds, chunks, length, chunk_size)
+        steps = _walk_makespan(rows, bounds, ctas_per_piece, sm_count, chunk_size)
+        if steps < 0.95 * best_steps:  # a plan with more pieces must win clearly (the model is rough)
+            best, best_steps = rows, steps
+    return best
 
 
 def plan_pieces(cu_seqlens: torch.Tensor, num_heads: int, value_blocks: int, sm_count: int = DEFAULT_SM_COUNT,
