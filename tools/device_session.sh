@@ -13,6 +13,7 @@
 #                       (default all 8), in parallel: FLA's Triton kernels compile into the shared cache, so a
 #                       later bench spends no minutes per layout there. Autotune results are not kept
 #                       (FLA_CACHE_RESULTS=0): the timed run autotunes alone on the GPU.
+#   ncu                 Nsight Compute sections of one launch each of our four main kernels (NCU_SHAPE=16/64:8192)
 #   train-8k            launch/benchmark.sh 0.8B 8192 tilelang,fla
 #   train-128k-tilelang launch/benchmark.sh 0.8B 131072 tilelang
 #   train-128k-fla      launch/benchmark.sh 0.8B 131072 fla
@@ -114,6 +115,16 @@ run_part() {
                     --shapes "$layout " > "'"$LOGS"'/warm-${layout//\//_}.log" 2>&1 &
             done; wait; grep -h "first call" "'"$LOGS"'"/warm-*.log' "$layouts"
         ;;
+    ncu)
+        # Nsight Compute on our four main kernels, one launch each (first forward + backward of NCU_SHAPE):
+        # where their time goes (issue stalls, occupancy, memory). Needs the Firecracker machines.
+        step ncu 150 60 ncu --clock-control none -k 'regex:grouped_products|fused_forward|state_grads|chunk_grads' -c 4 \
+            --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+            --section SchedulerStats --section MemoryWorkloadAnalysis \
+            "$PYTHON" -c 'import sys, torch; from flashqla.bench import make_inputs, implementations, first_call_s
+heads, lens = sys.argv[1].split(":"); heads = tuple(map(int, heads.split("/"))); lens = list(map(int, lens.split("+")))
+print(first_call_s(implementations([])["ours"], make_inputs(heads, lens)))' "${NCU_SHAPE:-16/64:8192}"
+        ;;
     train-8k) train_run train-0.8B-8k-compare 0.8B 8192 tilelang,fla ;;
     train-128k-tilelang) train_run train-0.8B-128k-tilelang 0.8B 131072 tilelang ;;
     train-128k-fla) train_run train-0.8B-128k-fla 0.8B 131072 fla ;;
@@ -133,7 +144,7 @@ run_part() {
             launch/benchmark.sh 0.8B 8192 tilelang ${TP2_OVERRIDES:-}
         ;;
     *)
-        echo "unknown part '$1': tests, candidates, bench, bench-warm, train-8k, train-128k-tilelang, train-128k-fla, train-2b, train," \
+        echo "unknown part '$1': tests, candidates, bench, bench-warm, ncu, train-8k, train-128k-tilelang, train-128k-fla, train-2b, train," \
             "tp2, tp2-8k" >&2
         SUMMARY+=("$(printf '%-22s %-9s' "$1" "UNKNOWN")")
         ;;
