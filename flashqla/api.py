@@ -102,8 +102,10 @@ def recompute_for_backward():
     chunk). Outside it, a forward that autograd will differentiate keeps them: about
     T * Hv * 900 bytes per call (1.9 GB at 64 value heads x 32768 tokens, or 16 x 131072), for a
     forward + backward 1.33-1.42x faster on the H200.
-    Useful around a forward whose saved tensors are thrown away anyway (the first pass of
-    activation checkpointing: qwen_hybrid does this) or when memory is tighter than time."""
+    Useful when memory is tighter than time. Under a non-reentrant torch checkpoint, open it
+    around both passes or neither: the recomputation must save the tensors the first pass saved
+    (torch raises CheckpointError otherwise). A reentrant checkpoint's first pass runs without
+    grad and keeps nothing anyway."""
     global _recompute_depth
     _recompute_depth += 1
     try:

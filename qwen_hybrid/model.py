@@ -2,7 +2,6 @@
 chunked-vocabulary loss, packed-sequence support and HF checkpoint loading/saving."""
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 
@@ -11,7 +10,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-import flashqla
 from qwen_hybrid import checkpoint_io
 from qwen_hybrid.config import QwenHybridConfig
 from qwen_hybrid.layers import DecoderLayer, RMSNorm
@@ -53,7 +51,7 @@ class QwenHybridModel(nn.Module):
         for layer in self.layers:
             if self.activation_checkpointing and torch.is_grad_enabled():
                 hidden = checkpoint(layer, hidden, cos, sin, cu_seqlens, max_seqlen, cu_seqlens_cpu,
-                                    use_reentrant=False, context_fn=_first_pass_keeps_nothing)
+                                    use_reentrant=False)
             else:
                 hidden = layer(hidden, cos, sin, cu_seqlens, max_seqlen, cu_seqlens_cpu)
         return self.norm(hidden)
@@ -184,13 +182,6 @@ def _rotary_tables(position_ids: torch.Tensor, rotary_dim: int, theta: float):
     freqs = position_ids[..., None].float() * inv_freq
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
-
-
-def _first_pass_keeps_nothing():
-    """Contexts for a checkpointed layer's first pass and its recomputation: the first pass's saved
-    tensors are dropped, so the GDN op need not keep its intermediates there (it does in the
-    recomputation, whose backward reads them)."""
-    return flashqla.recompute_for_backward(), contextlib.nullcontext()
 
 
 def _device_and_host_offsets(cu_seqlens, device, cu_seqlens_cpu=None) -> tuple[torch.Tensor, torch.Tensor]:
