@@ -211,3 +211,35 @@ def test_walk_makespan_counts_waves_and_warmup():
     assert _walk_makespan(one_piece, bounds, 133, 132, 64) == 200   # one CTA waits for a free SM
     two_pieces = [(0, 0, 3200, 0), (0, 3200, 6400, 1)]
     assert _walk_makespan(two_pieces, bounds, 66, 132, 64) == 50 + PLANNED_WARMUP_CHUNKS
+
+
+def test_walk_ends_stop_once_the_future_has_decayed():
+    """The backward's mirror of walk_starts: each cut piece's reverse walk starts the fewest chunks
+    after its end whose summed decay reaches the threshold, or at the sequence end."""
+    from flashqla.hopper.chunk_plan import walk_ends
+
+    torch.manual_seed(1)
+    bounds = [0, 8192, 8192 + 3000]
+    T, H = bounds[-1], 3
+    g = F.logsigmoid(torch.randn(T, H)) / 16
+    g[:, 0] = 0.0  # never decays: every walk starts at its sequence end
+    # chunk-local cumsum: chunks restart at every sequence start
+    gamma = torch.cat([g[c:min(c + 64, b)].cumsum(0) for a, b in zip(bounds, bounds[1:]) for c in range(a, b, 64)])
+    plan = build_forward_plan(bounds, torch.device("cpu"), H, 128, 132, 64)
+    assert plan.walk_ahead_index is not None
+    ends = walk_ends(gamma, plan.walk_ahead_index, -10.0)
+    for p, (seq, start, end, last) in enumerate(plan.pieces.tolist()):
+        seq_end = bounds[seq + 1]
+        assert int(ends[p, 0]) == seq_end
+        for h in (1, 2):
+            e = int(ends[p, h])
+            assert end <= e <= seq_end and ((e - bounds[seq]) % 64 == 0 or e == seq_end)
+            if last:
+                assert e == seq_end
+            elif e < seq_end:
+                assert g[end:e, h].sum() <= -10.0             # enough decay
+                assert g[end:e - 64, h].sum() > -10.0         # and no more chunks than needed
+            else:
+                assert g[end:seq_end - 64 if seq_end - end > 64 else end, h].sum() > -10.0
+    exact = walk_ends(gamma, plan.walk_ahead_index, float("-inf"))
+    assert exact.tolist() == [[bounds[s + 1]] * H for s in plan.pieces[:, 0].tolist()]

@@ -45,7 +45,7 @@ mkdir -p "$TRITON_CACHE_DIR"
 SUMMARY=()
 # Test files of what flashqla/hopper/candidates.py lists (the three candidates of 2026-11-30 became
 # defaults; their tests run in `tests`).
-CANDIDATE_TESTS=()
+CANDIDATE_TESTS=(tests/test_hopper_backward_pieces.py)
 BENCH_CANDIDATES=${BENCH_CANDIDATES:-0}
 
 left() { echo $((BUDGET_S - (SECONDS - STARTED))); }

@@ -132,6 +132,8 @@ def compile_ours(shapes, like_the_model: bool = False, with_initial_state: bool 
         # walk that stores the chunk states), and the backward that reads them
         _, _, kept = hopper.forward(q, k, v, x["g"], beta, None, h0, not like_the_model, cu, keep_for_backward=True)
         backward(q, k, v, x["g"], beta, 128 ** -0.5, h0, cu, torch.randn_like(v), d_state, kept=kept)
+        with hopper.candidates.use(*hopper.candidates.NAMES):  # the candidates' variants too
+            backward(q, k, v, x["g"], beta, 128 ** -0.5, h0, cu, torch.randn_like(v), d_state, kept=kept)
         variant = "as the model calls it" if like_the_model else f"{dtype_name}, h0={with_initial_state}"
         print(f"ours {name} ({variant}): {time.time() - started:.0f} s", flush=True)
 

@@ -4,7 +4,8 @@
    and masked scores Pm (inverse.py), and the bf16 state entering every chunk (chunk_states.py).
    With the forward's `KeptForward` none of this runs.
 2. Walk the chunks in reverse for the state gradient leaving every chunk, and dh0
-   (backward_state_grads.py; the only sequential part, light: four small products per chunk).
+   (backward_state_grads.py; the only sequential part, light: four small products per chunk). With
+   the backward_pieces candidate, in the forward plan's pieces (chunk_plan.walk_ends).
 3. Every chunk in parallel: dq, dk, dv, dg, dbeta (backward_chunk_grads.py: persistent CTAs, TMA
    loads overlapping compute; 1.2-1.3x faster on the H200 than one CTA per chunk).
 dq and dk come per value head and are summed over each head group in torch, which keeps the
@@ -13,10 +14,10 @@ result deterministic (no atomics).
 
 import torch
 
-from flashqla.hopper import KeptForward
+from flashqla.hopper import DEFAULT_LOG_DECAY_THRESHOLD, KeptForward, candidates
 from flashqla.hopper.backward_chunk_grads import HEAD_DIM, chunk_gradients, compile_chunk_grads
 from flashqla.hopper.backward_state_grads import compile_state_grads, state_gradients
-from flashqla.hopper.chunk_plan import device_sm_count, flat_cu_seqlens, plan_forward, value_block_size
+from flashqla.hopper.chunk_plan import device_sm_count, flat_cu_seqlens, plan_forward, value_block_size, walk_ends
 from flashqla.hopper.chunk_states import chunk_states
 from flashqla.hopper.cumsum import chunk_local_cumsum
 from flashqla.hopper.fused_forward import MAX_VALUE_BLOCK as FORWARD_MAX_VALUE_BLOCK
@@ -27,6 +28,7 @@ MAX_VALUE_BLOCK = 64
 
 COMPILE_CHECKS = [
     ("backward_state_grads", lambda: compile_state_grads(32)),
+    ("backward_state_grads_pieces", lambda: compile_state_grads(64, pieces=True)),
     ("backward_chunk_grads", compile_chunk_grads),
 ]
 
@@ -101,8 +103,16 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seq
     if dht is None:
         dht = torch.zeros(num_sequences, num_v_heads, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=device)
     dht = dht.to(torch.float32).contiguous()
-    state_grads, dh0 = state_gradients(q_flat, k_flat, gamma, gated_inverse, scores, do_flat, dht, scale, cu_seqlens,
-                                       offsets, chunk_index.shape[0], value_block)
+    if candidates.enabled("backward_pieces") and plan.walk_ahead_index is not None:
+        # The forward cut these sequences into pieces; walk the state gradients in the same pieces,
+        # each from a decay-truncated warm-up after its end.
+        ends = walk_ends(gamma, plan.walk_ahead_index, DEFAULT_LOG_DECAY_THRESHOLD)
+        state_grads, dh0 = state_gradients(q_flat, k_flat, gamma, gated_inverse, scores, do_flat, dht, scale,
+                                           cu_seqlens, offsets, chunk_index.shape[0], plan.value_block,
+                                           pieces=plan.pieces, walk_end=ends)
+    else:
+        state_grads, dh0 = state_gradients(q_flat, k_flat, gamma, gated_inverse, scores, do_flat, dht, scale,
+                                           cu_seqlens, offsets, chunk_index.shape[0], value_block)
     dq_head, dk_head, dv, dg, dbeta = chunk_gradients(q_flat, k_flat, v_flat, gamma, beta_flat, inverse, states,
                                                       state_grads, do_flat, scale, cu_seqlens, chunk_index)
 

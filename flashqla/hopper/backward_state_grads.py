@@ -19,7 +19,7 @@ import tilelang
 import tilelang.language as T
 import torch
 
-from flashqla.hopper.chunk_plan import CHUNK_SIZE
+from flashqla.hopper.chunk_plan import CHUNK_SIZE, PIECE_FIELDS
 from flashqla.hopper.cumsum import HOPPER_TARGET
 
 _C = CHUNK_SIZE
@@ -27,7 +27,12 @@ _THREADS = 128
 HEAD_DIM = 128
 
 
-def state_grads_program(value_block: int = 32):
+def state_grads_program(value_block: int = 32, pieces: bool = False):
+    """pieces=False: one CTA per (V block, head, sequence), the kernel verified on the H200.
+    pieces=True (candidate `backward_pieces`): one CTA per (V block, head, piece of a sequence); the
+    CTA starts at walk_end[piece, head] (the sequence end, from dht, or a chunk boundary after the
+    piece, from zero: a decay-truncated warm-up), stores dS only for the piece's own chunks, and
+    writes dh0 only when the piece starts its sequence."""
     K = V = HEAD_DIM
     BV = value_block
     num_value_blocks = V // BV
@@ -36,6 +41,7 @@ def state_grads_program(value_block: int = 32):
     num_tokens = T.dynamic("num_tokens")
     num_sequences = T.dynamic("num_sequences")
     num_chunks = T.dynamic("num_chunks")
+    num_pieces = T.dynamic("num_pieces")
     op = "bfloat16"
     f32 = "float32"
 
@@ -52,15 +58,22 @@ def state_grads_program(value_block: int = 32):
         chunk_offsets: T.Tensor((num_sequences + 1,), "int32"),
         chunk_state_grads: T.Tensor((num_chunks, num_v_heads, K, V), op),
         dh0: T.Tensor((num_sequences, num_v_heads, K, V), f32),
+        piece_table: T.Tensor((num_pieces, PIECE_FIELDS), "int32"),
+        walk_end: T.Tensor((num_pieces, num_v_heads), "int32"),
         scale: T.float32,
     ):
-        with T.Kernel(num_value_blocks, num_v_heads, num_sequences, threads=_THREADS) as (vblock, head, seq):
+        with T.Kernel(num_value_blocks, num_v_heads, num_pieces if pieces else num_sequences,
+                      threads=_THREADS) as (vblock, head, row):
             qk_head = head // (num_v_heads // num_qk_heads)
             v0 = vblock * BV
+            seq = piece_table[row, 0] if pieces else row
             bos = cu_seqlens[seq]
             eos = cu_seqlens[seq + 1]
-            seq_chunks = (eos - bos + _C - 1) // _C
             first_chunk = chunk_offsets[seq]
+            # The walk covers [walk_first, walk_last): the whole sequence, or a piece and its warm-up.
+            walk_first = piece_table[row, 1] if pieces else bos
+            walk_last = walk_end[row, head] if pieces else eos
+            seq_chunks = (walk_last - walk_first + _C - 1) // _C
 
             q_s = T.alloc_shared((_C, K), op)
             k_s = T.alloc_shared((_C, K), op)
@@ -78,10 +91,20 @@ def state_grads_program(value_block: int = 32):
             d_delta = T.alloc_fragment((_C, BV), f32)
             dw = T.alloc_fragment((_C, BV), f32)
 
-            T.copy(dht[seq, head, 0:K, v0:v0 + BV], ds)
+            if pieces:
+                if walk_last == eos:
+                    T.copy(dht[seq, head, 0:K, v0:v0 + BV], ds)
+                else:  # truncated: the gradient from past the warm-up is below e^threshold
+                    T.clear(ds)
+            else:
+                T.copy(dht[seq, head, 0:K, v0:v0 + BV], ds)
             for it in T.Pipelined(seq_chunks, num_stages=2):
-                chunk = seq_chunks - 1 - it
-                start = bos + chunk * _C
+                if pieces:
+                    start = walk_first + (seq_chunks - 1 - it) * _C
+                    chunk = (start - bos) // _C
+                else:
+                    chunk = seq_chunks - 1 - it
+                    start = bos + chunk * _C
                 last = T.min(eos - start, _C) - 1
                 # Whole tiles; rows past the sequence end hold the next sequence's data. The pipelined
                 # buffers stay as loaded: Pm is masked into its own buffer and dDelta's padded rows
@@ -99,7 +122,11 @@ def state_grads_program(value_block: int = 32):
 
                 for i, j in T.Parallel(K, BV):
                     ds_s[i, j] = T.cast(ds[i, j], op)
-                T.copy(ds_s, chunk_state_grads[first_chunk + chunk, head, 0:K, v0:v0 + BV])
+                if pieces:
+                    if start < piece_table[row, 2]:  # warm-up chunks belong to the next piece's CTA
+                        T.copy(ds_s, chunk_state_grads[first_chunk + chunk, head, 0:K, v0:v0 + BV])
+                else:
+                    T.copy(ds_s, chunk_state_grads[first_chunk + chunk, head, 0:K, v0:v0 + BV])
                 for t, d in T.Parallel(_C, BV):
                     dog_s[t, d] = T.if_then_else(
                         t <= last, T.cast(scale * T.exp(gam_s[t]) * T.cast(do_s[t, d], f32), op), T.cast(0, op))
@@ -118,29 +145,39 @@ def state_grads_program(value_block: int = 32):
                 T.gemm(q_s, dog_s, ds, transpose_A=True)
                 T.gemm(k_s, du_s, ds, transpose_A=True)
 
-            T.copy(ds, dh0[seq, head, 0:K, v0:v0 + BV])
+            if pieces:
+                if walk_first == bos:
+                    T.copy(ds, dh0[seq, head, 0:K, v0:v0 + BV])
+            else:
+                T.copy(ds, dh0[seq, head, 0:K, v0:v0 + BV])
 
     return state_grads_kernel
 
 
 @functools.lru_cache(maxsize=None)
-def compile_state_grads(value_block: int = 32):
-    return tilelang.compile(state_grads_program(value_block), target=HOPPER_TARGET,
+def compile_state_grads(value_block: int = 32, pieces: bool = False):
+    return tilelang.compile(state_grads_program(value_block, pieces), target=HOPPER_TARGET,
                             pass_configs={tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True})
 
 
 def state_gradients(q, k, gamma, gated_inverse, scores, do, dht, scale, cu_seqlens, offsets, num_chunks,
-                    value_block):
+                    value_block, pieces: torch.Tensor | None = None, walk_end: torch.Tensor | None = None):
     """(dS leaving every chunk, bf16 [num_chunks, Hv, 128, 128]; dh0, float32 [N, Hv, 128, 128]).
 
     q, k: [T, Hqk, 128] bf16; gamma (chunk-local cumsum): [T, Hv] fp32; gated_inverse (Ab), scores
     (Pm, including scale): [T, Hv, 64] bf16 from `inverse.gated_products`; do: [T, Hv, 128] bf16;
     dht: [N, Hv, 128, 128] fp32; cu_seqlens, offsets: int32 [N + 1].
+    pieces, walk_end: a forward plan's pieces and chunk_plan.walk_ends for them (every sequence in
+    exactly one or more pieces); None walks every sequence whole.
     """
     num_v_heads = do.shape[1]
     num_sequences = cu_seqlens.numel() - 1
     grads = torch.empty(max(num_chunks, 1), num_v_heads, HEAD_DIM, HEAD_DIM, dtype=torch.bfloat16, device=q.device)
     dh0 = torch.empty(num_sequences, num_v_heads, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=q.device)
-    compile_state_grads(value_block)(q, k, gamma, gated_inverse, scores, do, dht, cu_seqlens, offsets, grads, dh0,
-                                     float(scale))
+    with_pieces = pieces is not None
+    if not with_pieces:  # placeholders, unread by the whole-sequence kernel
+        pieces = torch.zeros(1, PIECE_FIELDS, dtype=torch.int32, device=q.device)
+        walk_end = torch.zeros(1, num_v_heads, dtype=torch.int32, device=q.device)
+    compile_state_grads(value_block, with_pieces)(q, k, gamma, gated_inverse, scores, do, dht, cu_seqlens, offsets,
+                                                  grads, dh0, pieces, walk_end, float(scale))
     return grads, dh0

@@ -15,7 +15,11 @@ import os
 # defaults after the H200 run of 2026-11-30, and so did keep_forward (the forward keeps what the
 # backward would recompute: forward + backward 1.33x faster on 16/64 x 32768, 1.42x on 2/8;
 # flashqla.recompute_for_backward() turns it off).
-NAMES: tuple[str, ...] = ()
+# backward_pieces: the state-gradient walk runs in the forward plan's pieces, each CTA starting from
+# a decay-truncated warm-up after its piece (chunk_plan.walk_ends), instead of one CTA per whole
+# sequence; for 16/16 heads x 131072 tokens 128 CTAs over ~516 chunks instead of 64 over 2048
+# (about 6 -> 1.6 ms a layer predicted). Compiled for sm_90a; not yet run on a GPU.
+NAMES: tuple[str, ...] = ("backward_pieces",)
 ENV_VAR = "FLASHQLA_CANDIDATES"
 _chosen: tuple[str, ...] | None = None  # set by use(); None: read the environment
 

@@ -8,6 +8,8 @@ import numpy as np
 import torch
 
 CHUNK_SIZE = 64
+# pieces[p] = (sequence, first token, end token, 1 if the piece ends its sequence)
+PIECE_FIELDS = 4
 # An H100/H200 has 132 SMs; the kernels ask the device when one is present.
 DEFAULT_SM_COUNT = 132
 
@@ -147,6 +149,16 @@ class WalkIndex:
 
 
 @dataclass
+class WalkAheadIndex:
+    """What walk_ends reads for the backward's walk in pieces, built once with the plan."""
+
+    piece_end: torch.Tensor         # int64 [P]: end token of each piece
+    seq_end: torch.Tensor           # int64 [P]: end token of the piece's sequence
+    last_token: torch.Tensor        # int64 [P, max_ahead]: last token of the j-th chunk after the piece (>= 0)
+    after_sequence: torch.Tensor    # bool [P, max_ahead, 1]: that chunk lies past the sequence end
+
+
+@dataclass
 class ForwardPlan:
     """Everything the forward kernels index by, built on the host from one read of cu_seqlens.
 
@@ -158,6 +170,7 @@ class ForwardPlan:
     value_block: int               # V columns per CTA
     max_walk_back: int             # most chunks a piece can walk back before its start (0: none split)
     walk_index: WalkIndex | None = None   # None when no piece walks back (max_walk_back == 0)
+    walk_ahead_index: WalkAheadIndex | None = None   # the backward's mirror of walk_index
 
 
 # Every GDN layer of a training step sees the same cu_seqlens: plan once, reuse for the others.
@@ -217,7 +230,44 @@ def build_forward_plan(bounds: list[int], device: torch.device, num_heads: int, 
         value_block=value_block,
         max_walk_back=max_walk_back,
         walk_index=_walk_index(pieces, bounds, max_walk_back, chunk_size, device) if max_walk_back > 0 else None,
+        walk_ahead_index=_walk_ahead_index(pieces, bounds, chunk_size, device) if max_walk_back > 0 else None,
     )
+
+
+def _walk_ahead_index(pieces: np.ndarray, bounds: np.ndarray, chunk_size: int, device) -> WalkAheadIndex:
+    num_pieces = pieces.shape[0]
+    piece_end = pieces[:, 2]
+    seq_end = bounds[pieces[:, 0] + 1]
+    max_ahead = max(int(((seq_end - piece_end + chunk_size - 1) // chunk_size).max()), 1)
+    chunk_start = piece_end[:, None] + np.arange(max_ahead)[None, :] * chunk_size
+    last_token = np.minimum(chunk_start + chunk_size, seq_end[:, None]) - 1
+    after_sequence = (chunk_start >= seq_end[:, None]).astype(np.int64)
+    packed = np.concatenate([piece_end, seq_end, np.maximum(last_token, 0).reshape(-1), after_sequence.reshape(-1)])
+    packed = torch.from_numpy(packed).to(device)
+    n_grid = num_pieces * max_ahead
+    return WalkAheadIndex(
+        piece_end=packed[:num_pieces],
+        seq_end=packed[num_pieces:2 * num_pieces],
+        last_token=packed[2 * num_pieces:2 * num_pieces + n_grid].view(num_pieces, max_ahead),
+        after_sequence=packed[2 * num_pieces + n_grid:].view(num_pieces, max_ahead, 1).bool(),
+    )
+
+
+def walk_ends(gamma: torch.Tensor, index: WalkAheadIndex, log_decay_threshold: float = -10.0,
+              chunk_size: int = CHUNK_SIZE) -> torch.Tensor:
+    """int32 [P, H]: the token where each (piece, head) CTA of the backward's state-gradient walk
+    starts walking back from (on the GPU, no sync). The mirror of walk_starts: the gradient leaving a
+    piece is rebuilt from zero over the n chunks after it, n the fewest whose summed decay is
+    <= log_decay_threshold, else from the sequence end (exact, with dht); -inf always walks from
+    the sequence end. gamma: [T, H] fp32 chunk-local cumsum of g; index: ForwardPlan.walk_ahead_index."""
+    num_heads = gamma.shape[1]
+    num_pieces = index.piece_end.shape[0]
+    if log_decay_threshold == float("-inf"):
+        return index.seq_end.to(torch.int32)[:, None].expand(num_pieces, num_heads).contiguous()
+    decay = gamma[index.last_token].masked_fill(index.after_sequence, 0.0)          # [P, max_ahead, H]
+    short = (decay.double().cumsum(dim=1) > log_decay_threshold).sum(dim=1)           # [P, H]
+    end = torch.minimum(index.piece_end[:, None] + (short + 1) * chunk_size, index.seq_end[:, None])
+    return end.to(torch.int32).contiguous()
 
 
 def _walk_index(pieces: np.ndarray, bounds: np.ndarray, max_walk_back: int, chunk_size: int, device) -> WalkIndex:

@@ -27,7 +27,7 @@ import tilelang
 import tilelang.language as T
 import torch
 
-from flashqla.hopper.chunk_plan import CHUNK_SIZE, chunk_offsets
+from flashqla.hopper.chunk_plan import CHUNK_SIZE, PIECE_FIELDS, chunk_offsets
 from flashqla.hopper.cumsum import HOPPER_TARGET
 
 _C = CHUNK_SIZE
@@ -36,8 +36,6 @@ _PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
 # TileLang's automatic warp specialisation gives the TMA producer as many threads as the consumers,
 # capping every thread at 128 registers: a 128-wide V block spills there, 64 does not (much).
 MAX_VALUE_BLOCK = 64
-# pieces[p] = (sequence, first token, end token, 1 if the piece ends its sequence)
-PIECE_FIELDS = 4
 
 
 def fused_forward_program(value_block: int, dtype: str = "bfloat16", head_dim: int = 128, store_chunk_states: bool = False, threads: int = 256,
