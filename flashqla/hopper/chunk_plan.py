@@ -235,22 +235,22 @@ def build_forward_plan(bounds: list[int], device: torch.device, num_heads: int, 
 
 
 def _walk_ahead_index(pieces: np.ndarray, bounds: np.ndarray, chunk_size: int, device) -> WalkAheadIndex:
-    num_pieces = pieces.shape[0]
     piece_end = pieces[:, 2]
     seq_end = bounds[pieces[:, 0] + 1]
     max_ahead = max(int(((seq_end - piece_end + chunk_size - 1) // chunk_size).max()), 1)
     chunk_start = piece_end[:, None] + np.arange(max_ahead)[None, :] * chunk_size
     last_token = np.minimum(chunk_start + chunk_size, seq_end[:, None]) - 1
-    after_sequence = (chunk_start >= seq_end[:, None]).astype(np.int64)
-    packed = np.concatenate([piece_end, seq_end, np.maximum(last_token, 0).reshape(-1), after_sequence.reshape(-1)])
-    packed = torch.from_numpy(packed).to(device)
-    n_grid = num_pieces * max_ahead
-    return WalkAheadIndex(
-        piece_end=packed[:num_pieces],
-        seq_end=packed[num_pieces:2 * num_pieces],
-        last_token=packed[2 * num_pieces:2 * num_pieces + n_grid].view(num_pieces, max_ahead),
-        after_sequence=packed[2 * num_pieces + n_grid:].view(num_pieces, max_ahead, 1).bool(),
-    )
+    after_sequence = chunk_start >= seq_end[:, None]
+    piece_end, seq_end, last_token, after_sequence = _on_device_in_one_copy(
+        [piece_end, seq_end, np.maximum(last_token, 0), after_sequence[..., None]], device)
+    return WalkAheadIndex(piece_end, seq_end, last_token, after_sequence.bool())
+
+
+def _on_device_in_one_copy(arrays: list[np.ndarray], device) -> list[torch.Tensor]:
+    """int64 copies of the arrays on `device`, shapes kept, moved by one host->device copy."""
+    flat = torch.from_numpy(np.concatenate([np.asarray(a, dtype=np.int64).reshape(-1) for a in arrays])).to(device)
+    sizes = [int(np.prod(a.shape)) for a in arrays]
+    return [part.view(a.shape) for part, a in zip(flat.split(sizes), arrays)]
 
 
 def walk_ends(gamma: torch.Tensor, index: WalkAheadIndex, log_decay_threshold: float = -10.0,
@@ -271,21 +271,13 @@ def walk_ends(gamma: torch.Tensor, index: WalkAheadIndex, log_decay_threshold: f
 
 
 def _walk_index(pieces: np.ndarray, bounds: np.ndarray, max_walk_back: int, chunk_size: int, device) -> WalkIndex:
-    num_pieces = pieces.shape[0]
     piece_start = pieces[:, 1]
     seq_start = bounds[pieces[:, 0]]
     last_token = piece_start[:, None] - np.arange(max_walk_back)[None, :] * chunk_size - 1
-    before_sequence = (last_token < seq_start[:, None]).astype(np.int64)
-    packed = np.concatenate([piece_start, seq_start, np.maximum(last_token, 0).reshape(-1),
-                             before_sequence.reshape(-1)])
-    packed = torch.from_numpy(packed).to(device)
-    n_grid = num_pieces * max_walk_back
-    return WalkIndex(
-        piece_start=packed[:num_pieces],
-        seq_start=packed[num_pieces:2 * num_pieces],
-        last_token=packed[2 * num_pieces:2 * num_pieces + n_grid].view(num_pieces, max_walk_back),
-        before_sequence=packed[2 * num_pieces + n_grid:].view(num_pieces, max_walk_back, 1).bool(),
-    )
+    before_sequence = last_token < seq_start[:, None]
+    piece_start, seq_start, last_token, before_sequence = _on_device_in_one_copy(
+        [piece_start, seq_start, np.maximum(last_token, 0), before_sequence[..., None]], device)
+    return WalkIndex(piece_start, seq_start, last_token, before_sequence.bool())
 
 
 def walk_starts(pieces: torch.Tensor, cu_seqlens: torch.Tensor, gamma: torch.Tensor,
