@@ -243,3 +243,11 @@ def test_walk_ends_stop_once_the_future_has_decayed():
                 assert g[end:seq_end - 64 if seq_end - end > 64 else end, h].sum() > -10.0
     exact = walk_ends(gamma, plan.walk_ahead_index, float("-inf"))
     assert exact.tolist() == [[bounds[s + 1]] * H for s in plan.pieces[:, 0].tolist()]
+
+
+def test_empty_sequences_do_not_stop_a_long_one_from_being_cut():
+    bounds = [0, 131072] + [131072] * 16  # one long sequence, 16 empty ones
+    plan = build_forward_plan(bounds, torch.device("cpu"), 16, 128, 132, 64)
+    rows = plan.pieces.tolist()
+    assert sum(1 for seq, *_ in rows if seq == 0) > 1
+    assert [r[0] for r in rows if r[3] == 1] == list(range(17))

@@ -73,6 +73,7 @@ def test_exact_pieces_give_bitwise_the_whole_sequence_walk(case):
 def test_backward_in_pieces_matches_float64(case, with_initial_state):
     heads, lengths = CUT_CASES[case]
     inputs, do, dht = make_backward_inputs(lengths, *heads, with_initial_state, strong_decay=True)
+    assert _plan_and_gamma(inputs)[0].walk_ahead_index is not None, "the planner did not cut this case"
     ours = backward_with(inputs, do, dht, pieces=True)
     for name, grad in zip(GRAD_NAMES, ours):
         assert torch.isfinite(grad).all(), name
@@ -91,13 +92,40 @@ def test_backward_in_pieces_stays_close_to_the_whole_walk_and_is_deterministic()
         assert relative_error(a, w) <= TOLERANCE / 10, name
 
 
+@pytest.mark.parametrize("case", ["2_8_28672+4096", "4_16_ragged"])
+def test_public_op_with_kept_forward_and_pieces_matches_float64(case):
+    """How training runs it: the forward keeps its tensors (the default), the backward walks in pieces."""
+    import flashqla
+    from flashqla.hopper import candidates
+
+    heads, lengths = CUT_CASES[case]
+    inputs, do, dht = make_backward_inputs(lengths, *heads, True, strong_decay=True)
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+    leaves = [inputs[n].clone().requires_grad_() for n in names]
+    poison_allocator()
+    with candidates.use("backward_pieces"):
+        o, final_state = flashqla.chunk_gated_delta_rule(
+            *leaves[:5], initial_state=leaves[5], output_final_state=True, cu_seqlens=inputs["cu_seqlens"],
+            backend="tilelang")
+        torch.autograd.backward((o, final_state), (do, dht))
+    grads = [leaf.grad for leaf in leaves]
+    assert all(torch.isfinite(grad).all() for grad in grads)
+    assert_close_to_reference(grads, float64_gradients(inputs, do, dht))
+
+
 @pytest.mark.parametrize("heads,lengths", [((16, 16), [131072]), ((2, 8), [131072]), ((16, 16), [32768])],
                          ids=["16_16_131072", "2_8_131072", "16_16_32768"])
 def test_backward_pieces_time(heads, lengths):
-    """Prints do_bench medians of the backward with and without the candidate (run with -s)."""
+    """Prints do_bench medians of the backward with and without the candidate (run with -s), on the
+    bench's inputs: every head decays (a head that never decays walks its whole sequence either way)."""
     from triton.testing import do_bench
 
-    inputs, do, dht = make_backward_inputs(lengths, *heads, True)
+    from flashqla.bench import make_inputs
+
+    inputs = make_inputs(heads, lengths)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    do = torch.randn(inputs["v"].shape, generator=gen, device="cuda").to(torch.bfloat16)
+    dht = torch.randn(inputs["initial_state"].shape, generator=gen, device="cuda")
     times = {}
     for name, pieces in (("whole", False), ("pieces", True)):
         times[name] = do_bench(lambda: backward_with(inputs, do, dht, pieces, poison=False), warmup=10, rep=200,

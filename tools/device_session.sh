@@ -98,7 +98,7 @@ run_part() {
             return 0
         fi
         # -s keeps the timing prints; the thread method ends the process if a kernel hangs
-        step pytest-candidates 240 60 "$PYTHON" -m pytest -m gpu -q -s -rfE -p no:cacheprovider --timeout=90 \
+        step pytest-candidates 360 60 "$PYTHON" -m pytest -m gpu -q -s -rfE -p no:cacheprovider --timeout=150 \
             --timeout-method=thread "${CANDIDATE_TESTS[@]}" && BENCH_CANDIDATES=1
         ;;
     bench)

@@ -167,9 +167,11 @@ def state_gradients(q, k, gamma, gated_inverse, scores, do, dht, scale, cu_seqle
     q, k: [T, Hqk, 128] bf16; gamma (chunk-local cumsum): [T, Hv] fp32; gated_inverse (Ab), scores
     (Pm, including scale): [T, Hv, 64] bf16 from `inverse.gated_products`; do: [T, Hv, 128] bf16;
     dht: [N, Hv, 128, 128] fp32; cu_seqlens, offsets: int32 [N + 1].
-    pieces, walk_end: a forward plan's pieces and chunk_plan.walk_ends for them (every sequence in
-    exactly one or more pieces); None walks every sequence whole.
+    pieces, walk_end: a forward plan's pieces (every sequence covered by one or more) and
+    chunk_plan.walk_ends for them; both None walks every sequence whole.
     """
+    if (pieces is None) != (walk_end is None):
+        raise ValueError("state_gradients: pass pieces and walk_end together (chunk_plan.walk_ends), or neither")
     num_v_heads = do.shape[1]
     num_sequences = cu_seqlens.numel() - 1
     grads = torch.empty(max(num_chunks, 1), num_v_heads, HEAD_DIM, HEAD_DIM, dtype=torch.bfloat16, device=q.device)

@@ -105,11 +105,14 @@ def _piece_rows(bounds: list[int], chunks: list[int], ctas_per_piece: int, sm_co
                 min_piece_chunks: int, chunk_size: int) -> list[tuple[int, int, int, int]]:
     """The piece plan with the shortest simulated walk among: no cut, and cuts into pieces of
     ceil(total / k) chunks (at least min_piece_chunks). More CTAs than SMs can win: with 28672 +
-    4096 tokens and 48 CTAs a piece, cutting the long sequence in two gives 144 CTAs and halves the
-    longest walk, the short sequence's CTAs running in the gaps."""
+    4096 tokens and 48 CTAs a piece (8/24 heads), one piece per sequence walks 448 chunks on 96 SMs;
+    eight pieces of at most 64 chunks give 384 CTAs that take turns on the SMs, about 204 chunk
+    steps in all. The simulation assumes every head's warm-up is short: a head that never decays
+    walks from its sequence start (exact) and can be the longest CTA."""
     unsplit = _split_rows(bounds, chunks, None, chunk_size)
     total = sum(chunks)
-    if total == 0 or len(unsplit) * ctas_per_piece >= 4 * sm_count:
+    busy = sum(1 for c in chunks if c > 0)  # empty sequences' CTAs exit at once
+    if total == 0 or busy * ctas_per_piece >= 4 * sm_count:
         return unsplit  # empty, or enough CTAs to fill the SMs several times over
     best, best_steps = unsplit, _walk_makespan(unsplit, bounds, ctas_per_piece, sm_count, chunk_size)
     lengths = {max(min_piece_chunks, -(-total // k)) for k in range(1, 4 * sm_count // ctas_per_piece + 2)}
@@ -127,9 +130,10 @@ def plan_pieces(cu_seqlens: torch.Tensor, num_heads: int, value_blocks: int, sm_
                 min_piece_chunks: int = 16, chunk_size: int = CHUNK_SIZE) -> torch.Tensor:
     """int32 [P, 4] rows (sequence, first token, end token, ends_sequence) on cu_seqlens' device.
 
-    Intra-card context parallelism: when (sequences x heads x V blocks) CTAs cannot fill the SMs,
-    long sequences are cut at chunk boundaries into pieces, so that about `sm_count` CTAs run, each
-    piece at least `min_piece_chunks` long. Every sequence, empty ones too, ends in exactly one piece.
+    Intra-card context parallelism: long sequences are cut at chunk boundaries into pieces when a
+    simulated walk says the cut ends sooner (_piece_rows); pieces are cut from a length of at least
+    `min_piece_chunks`, shared evenly, so a piece can be a little shorter. Every sequence, empty
+    ones too, ends in exactly one piece.
     """
     bounds = cu_seqlens.tolist()
     chunks = [(bounds[i + 1] - bounds[i] + chunk_size - 1) // chunk_size for i in range(len(bounds) - 1)]
