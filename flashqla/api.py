@@ -64,6 +64,10 @@ def chunk_gated_delta_rule(
 
     Returns:
         `(o, final_state)`: o shaped and typed like v; final_state or None.
+
+    Memory: under autograd the "tilelang" backend keeps its forward's intermediates for the backward
+    (about T * Hv * 900 bytes, with a state per 64-token chunk among them); `recompute_for_backward()`
+    keeps only the inputs instead, for a slower backward.
     """
     cu_seqlens_host = check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu)
     backend = resolve_backend(backend, q, v)
