@@ -132,7 +132,7 @@ def forward_breakdown(inputs: dict, rep_ms: int) -> dict:
     plan = plan_forward(cu, num_v_heads, 128, sm_count, hopper.MAX_VALUE_BLOCK)
     index = plan.chunk_index
     gamma = hopper.chunk_local_cumsum(g[None], cu, chunk_index=index).view(num_tokens, num_v_heads)
-    gated_inverse, scores = gated_products(q, k, gamma, beta, 128 ** -0.5, cu, index)
+    gated_inverse, scores, _ = gated_products(q, k, gamma, beta, 128 ** -0.5, cu, index)
     walk = walk_starts(plan.pieces, cu, gamma, -10.0, plan.max_walk_back, walk_index=plan.walk_index)
     stages = {
         # uncached: the first layer of a step with new cu_seqlens (one device->host read included)

@@ -59,7 +59,7 @@ def test_exact_pieces_give_bitwise_the_whole_sequence_walk(case):
     assert plan.walk_ahead_index is not None, "the planner did not cut this case"
     q, k = inputs["q"][0], inputs["k"][0]
     beta = inputs["beta"][0]
-    ab, p = gated_products(q, k, gamma, beta, SCALE, inputs["cu_seqlens"], plan.chunk_index)
+    ab, p, _ = gated_products(q, k, gamma, beta, SCALE, inputs["cu_seqlens"], plan.chunk_index)
     args = (q, k, gamma, ab, p, do[0], dht, SCALE, inputs["cu_seqlens"], plan.chunk_offsets,
             plan.chunk_index.shape[0], plan.value_block)
     whole = state_gradients(*args)

@@ -119,7 +119,7 @@ def run_products(args, grouped):
 
     poison_allocator()
     return gated_products(args["q"], args["k"], args["gamma"], args["beta"], args["scale"], args["cu_seqlens"],
-                          args["chunk_index"], grouped=grouped)
+                          args["chunk_index"], grouped=grouped)[:2]  # (gated_inverse, scores)
 
 
 def float64_products(args):

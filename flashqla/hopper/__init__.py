@@ -82,9 +82,8 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
                         host_bounds=cu_seqlens_host)
     gamma = chunk_local_cumsum(g.reshape(1, num_tokens, num_v_heads), cu_seqlens, chunk_index=plan.chunk_index)
     gamma = gamma.view(num_tokens, num_v_heads)
-    products = gated_products(q_flat, k_flat, gamma, beta_flat, scale, cu_seqlens, plan.chunk_index,
-                              with_inverse=keep_for_backward)
-    gated_inverse, scores = products[:2]
+    gated_inverse, scores, inverse = gated_products(q_flat, k_flat, gamma, beta_flat, scale, cu_seqlens,
+                                                    plan.chunk_index, with_inverse=keep_for_backward)
     walk = walk_starts(plan.pieces, cu_seqlens, gamma, log_decay_threshold, plan.max_walk_back,
                        walk_index=plan.walk_index)
     h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
@@ -95,5 +94,5 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
     o = o.view(batch_size, seq_len, num_v_heads, head_dim)
     final_state = final_state if output_final_state else None
     if keep_for_backward:
-        return o, final_state, KeptForward(gamma, gated_inverse, scores, products[2], chunk_states)
+        return o, final_state, KeptForward(gamma, gated_inverse, scores, inverse, chunk_states)
     return o, final_state

@@ -83,10 +83,10 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seq
     busy_sequences = max(sum(b > a for a, b in zip(cu_seqlens_host, cu_seqlens_host[1:])), 1)
     value_block = value_block_size(busy_sequences, num_v_heads, HEAD_DIM, sm_count, MAX_VALUE_BLOCK)
 
-    if kept is not None:  # float16 inputs kept float16 tensors; the kernels here read bf16
+    # What the forward kept is taken as is (float16 inputs kept float16: the kernels here read bf16);
+    # the rest is recomputed. A~ can be missing from what was kept (per-value-head products kernel).
+    if kept is not None:
         gamma = kept.gamma
-        gated_inverse, scores, states = (x.to(torch.bfloat16)
-                                         for x in (kept.gated_inverse, kept.scores, kept.chunk_states))
     else:
         gamma = chunk_local_cumsum(g_flat.unsqueeze(0), cu_seqlens, chunk_index=chunk_index)
         gamma = gamma.view(num_tokens, num_v_heads)
@@ -95,10 +95,13 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seq
     else:
         inverse = gate_free_inverse(k_flat.unsqueeze(0), beta_flat.unsqueeze(0), cu_seqlens, chunk_index=chunk_index)
         inverse = inverse.view(num_tokens, num_v_heads, -1)
-    if kept is None:
+    if kept is not None:
+        gated_inverse, scores, states = (x.to(torch.bfloat16)
+                                         for x in (kept.gated_inverse, kept.scores, kept.chunk_states))
+    else:
+        gated_inverse, scores, _ = gated_products(q_flat, k_flat, gamma, beta_flat, scale, cu_seqlens, chunk_index)
         states, _, _ = chunk_states(k_flat, v_flat, gamma, beta_flat, inverse, h0, cu_seqlens,
                                     value_block=value_block, offsets=offsets, num_chunks=chunk_index.shape[0])
-        gated_inverse, scores = gated_products(q_flat, k_flat, gamma, beta_flat, scale, cu_seqlens, chunk_index)
 
     if dht is None:
         dht = torch.zeros(num_sequences, num_v_heads, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=device)

@@ -268,8 +268,7 @@ def walk_ends(gamma: torch.Tensor, index: WalkAheadIndex, log_decay_threshold: f
     num_pieces = index.piece_end.shape[0]
     if log_decay_threshold == float("-inf"):
         return index.seq_end.to(torch.int32)[:, None].expand(num_pieces, num_heads).contiguous()
-    decay = gamma[index.last_token].masked_fill(index.after_sequence, 0.0)          # [P, max_ahead, H]
-    short = (decay.double().cumsum(dim=1) > log_decay_threshold).sum(dim=1)           # [P, H]
+    short = _chunks_short_of_threshold(gamma, index.last_token, index.after_sequence, log_decay_threshold)
     end = torch.minimum(index.piece_end[:, None] + (short + 1) * chunk_size, index.seq_end[:, None])
     return end.to(torch.int32).contiguous()
 
@@ -312,13 +311,19 @@ def walk_starts(pieces: torch.Tensor, cu_seqlens: torch.Tensor, gamma: torch.Ten
         return seq_start.to(torch.int32)[:, None].expand(num_pieces, num_heads).contiguous()
     if walk_index is None:
         walk_index = WalkIndex(piece_start, seq_start, *_walk_grid(piece_start, seq_start, max_walk_back, chunk_size))
-    # Per piece: summed decay of the k chunks right before piece_start, k = 1..max_walk_back.
-    decay = gamma[walk_index.last_token]                                                # [P, max_back, H]
-    decay = decay.masked_fill(walk_index.before_sequence, 0.0)
-    # Chunks still short of the threshold; the walk takes one more (or reaches the sequence start).
-    short = (decay.double().cumsum(dim=1) > log_decay_threshold).sum(dim=1)            # [P, H]
+    # The walk takes one chunk more than those still short of the threshold (or reaches the sequence start).
+    short = _chunks_short_of_threshold(gamma, walk_index.last_token, walk_index.before_sequence, log_decay_threshold)
     walk = torch.maximum(piece_start[:, None] - (short + 1) * chunk_size, seq_start[:, None])
     return walk.to(torch.int32).contiguous()
+
+
+def _chunks_short_of_threshold(gamma: torch.Tensor, last_token: torch.Tensor, outside: torch.Tensor,
+                               log_decay_threshold: float) -> torch.Tensor:
+    """[P, H]: for each piece and head, how many of the chunks listed by last_token ([P, n], the
+    last token of each chunk, nearest the piece first) it takes in turn while their summed decay is
+    still above the threshold. Chunks marked `outside` ([P, n, 1], past the sequence) add nothing."""
+    decay = gamma[last_token].masked_fill(outside, 0.0)                                  # [P, n, H]
+    return (decay.double().cumsum(dim=1) > log_decay_threshold).sum(dim=1)
 
 
 def _walk_grid(piece_start: torch.Tensor, seq_start: torch.Tensor, max_walk_back: int, chunk_size: int):

@@ -221,14 +221,14 @@ def compile_gated_products(head_dim: int = 128, dtype: str = "bfloat16", beta_dt
 def gated_products(q: torch.Tensor, k: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, scale: float,
                    cu_seqlens: torch.Tensor, chunk_index: torch.Tensor, grouped: bool | None = None,
                    min_blocks_per_sm: int = MIN_BLOCKS_PER_SM, with_inverse: bool = False):
-    """(gated_inverse, scores), each [T, Hv, 64] in q's dtype, on flattened inputs:
+    """(gated_inverse, scores, inverse), each [T, Hv, 64] in q's dtype, on flattened inputs:
     q, k [T, Hqk, K]; gamma (fp32 chunk-local cumsum), beta [T, Hv]; cu_seqlens int32 [N+1].
 
     grouped=True runs grouped_products.py (one CTA per chunk and qk head, its value heads sharing
     the Q K^T and K K^T products; Hv / Hqk <= 8; min_blocks_per_sm is its register cap), 1.3-1.4x
     faster on the H200; None picks it wherever the group fits, else the per-value-head kernel here.
-    with_inverse: return (gated_inverse, scores, inverse) with the gate-free inverse A~ [T, Hv, 64]
-    in q's dtype as a by-product of the grouped kernel, or None from the per-value-head one.
+    inverse: the gate-free inverse A~ when with_inverse asks for it and the grouped kernel ran
+    (a by-product of its solve), else None.
     """
     num_tokens, num_v_heads = gamma.shape
     if grouped is None:
@@ -248,6 +248,4 @@ def gated_products(q: torch.Tensor, k: torch.Tensor, gamma: torch.Tensor, beta: 
         else:
             kernel = compile_gated_products(q.shape[-1], *dtypes)
             kernel(q, k, gamma, beta, cu_seqlens, chunk_index, gated_inverse, scores, float(scale))
-    if with_inverse:
-        return gated_inverse, scores, (inverse if write_inverse else None)
-    return gated_inverse, scores
+    return gated_inverse, scores, (inverse if write_inverse else None)
