@@ -45,7 +45,7 @@ mkdir -p "$TRITON_CACHE_DIR"
 SUMMARY=()
 # Test files of what flashqla/hopper/candidates.py lists (the three candidates of 2026-11-30 became
 # defaults; their tests run in `tests`).
-CANDIDATE_TESTS=(tests/test_hopper_backward_pieces.py)
+CANDIDATE_TESTS=(tests/flashqla/test_hopper_backward_pieces.py)
 BENCH_CANDIDATES=${BENCH_CANDIDATES:-0}
 
 left() { echo $((BUDGET_S - (SECONDS - STARTED))); }
@@ -135,7 +135,7 @@ print(first_call_s(implementations([])["ours"], make_inputs(heads, lens)))' "${N
     tp2)
         # every GPU test that needs two devices (today test_tp2_on_two_gpus_over_nccl_matches_unsharded)
         step pytest-tp2-nccl 240 60 "$PYTHON" -m pytest -m gpu -q -rfE -p no:cacheprovider --timeout=200 \
-            tests/test_tensor_parallel.py tests/test_train_tensor_parallel.py
+            tests/qwen_hybrid/test_tensor_parallel.py tests/train/test_train_tensor_parallel.py
         step train-0.8B-128k-tp2sp "${TRAIN_TIMEOUT_S:-240}" 150 env OUT="$LOGS" TP=2 SP=1 \
             launch/benchmark.sh 0.8B 131072 tilelang ${TP2_OVERRIDES:-}
         ;;

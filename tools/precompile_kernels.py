@@ -36,7 +36,7 @@ TARGET = {"kind": "cuda", "arch": "sm_90a"}
 # GDN head layouts (qk heads, v heads) of the training runs: 0.8B and 2B at tp 1, and at tp 2.
 MODEL_HEADS = [(16, 16), (8, 8)]
 MODEL_SEQ_LENS = {"1x8192": [8192], "1x131072": [131072]}
-# The GPU tests' grid (tests/test_hopper_forward.py, test_hopper_backward.py): with and without h0,
+# The GPU tests' grid (tests/flashqla/test_hopper_forward.py, test_hopper_backward.py): with and without h0,
 # and one float16 case.
 TEST_HEADS = [(16, 64), (16, 32), (16, 16), (8, 24), (2, 8)]
 TEST_SEQ_LENS = {"1x4096": [4096], "ragged": [1000, 0, 64, 2047, 1, 129, 640], "1x32768": [32768]}

@@ -21,7 +21,7 @@ over each head group in backward.py). What keeps the SM busy:
 Every refill is issued by one elected thread after a block-wide barrier that follows the last read
 of the buffers it overwrites (TileLang's gemm waits for its wgmma before returning), and each
 group's barrier is waited on before the first read. No buffer written by TMA shares shared memory
-with any other buffer (tests/test_hopper_backward_chunk_grads.py checks the generated offsets).
+with any other buffer (tests/flashqla/test_hopper_backward_chunk_grads.py checks the generated offsets).
 """
 
 import functools

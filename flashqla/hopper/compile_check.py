@@ -1,4 +1,4 @@
-"""Build every Hopper kernel for sm_90a without a GPU (CI runs this through tests/test_hopper_compile.py).
+"""Build every Hopper kernel for sm_90a without a GPU (CI runs this through tests/flashqla/test_hopper_compile.py).
 
 Each entry is (name, zero-argument builder returning a compiled kernel); one representative
 specialisation per kernel keeps the total compile time modest. The backward kernels register

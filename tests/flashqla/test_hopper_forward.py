@@ -1,6 +1,6 @@
 """GPU tests of the TileLang forward kernels (flashqla/hopper) against the float64 references.
 
-Needs an SM90 GPU: skipped elsewhere. Grid: head layouts x lengths (tests/hopper_grid.py) x initial state.
+Needs an SM90 GPU: skipped elsewhere. Grid: head layouts x lengths (tests/flashqla/hopper_grid.py) x initial state.
 """
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""What the Hopper kernel tests (tests/test_hopper_*.py) share: the grid of head layouts and
+"""What the Hopper kernel tests (tests/flashqla/test_hopper_*.py) share: the grid of head layouts and
 lengths, GPU inputs, the float64 forward and gradients they are measured against, and NaN
 poisoning of free memory."""
 import torch
@@ -67,7 +67,7 @@ def float64_reference(inputs):
     """(o, final_state) of `inputs` in float64."""
     args = {name: (x.double() if x is not None and x.is_floating_point() else x) for name, x in inputs.items()}
     # The token loop is the ground truth; for 32k tokens the chunked float64 form (checked
-    # against it in tests/test_reference.py) keeps the test quick.
+    # against it in tests/flashqla/test_reference.py) keeps the test quick.
     short = inputs["q"].shape[1] <= 8192
     fn = reference.recurrent_gated_delta_rule if short else reference.chunk_gated_delta_rule_torch
     return fn(args["q"], args["k"], args["v"], args["g"], args["beta"], initial_state=args["initial_state"],

@@ -3,7 +3,7 @@
 
 Every rank builds the same model, keeps an unsharded copy as the reference and compares its
 sharded copy to it: loss, logits, every gradient, optimizer steps, checkpoints. Run with
-`python -m pytest tests/test_tensor_parallel.py` (the gpu test: `-m gpu` on a 2-GPU machine).
+`python -m pytest tests/qwen_hybrid/test_tensor_parallel.py` (the gpu test: `-m gpu` on a 2-GPU machine).
 """
 from __future__ import annotations
 

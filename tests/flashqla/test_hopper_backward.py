@@ -1,8 +1,8 @@
 """Tests of the TileLang backward (flashqla/hopper/backward.py).
 
 GPU tests compare every gradient with autograd through the float64 chunked reference (itself
-checked against the token recurrence in tests/test_reference.py) over the grid of
-tests/hopper_grid.py.
+checked against the token recurrence in tests/flashqla/test_reference.py) over the grid of
+tests/flashqla/hopper_grid.py.
 """
 import pytest
 import torch

@@ -1,7 +1,7 @@
 """Kernel-level tests of the chunk-gradient kernel (flashqla/hopper/backward_chunk_grads.py).
 
 Its gradients against the float64 reference (the whole grid, strong decay, bitwise determinism)
-are checked through `backward` in tests/test_hopper_backward.py; here, what only the kernel shows.
+are checked through `backward` in tests/flashqla/test_hopper_backward.py; here, what only the kernel shows.
 
 CPU checks (need nvcc only): its generated CUDA waits for every TMA load group before the first
 read and refills it only after the last one, and no TMA-filled buffer shares shared memory with
