@@ -198,14 +198,35 @@ def _warn_fallback(reason: str) -> None:
     warnings.warn(f"flashqla: {reason}; backend='auto' falls back to the torch path (much slower)", stacklevel=4)
 
 
-def _hopper_available(device: torch.device) -> bool:
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
-        return False
+def backend_unavailable_reason(backend: str, device: torch.device) -> str | None:
+    """Why `backend` cannot run on `device` on this machine, or None when it can (shapes and dtypes
+    aside). For callers that want to fail before they start, such as the trainer's preflight."""
+    if backend not in BACKENDS:
+        return f"expected one of {BACKENDS}"
+    if backend in ("auto", "torch"):
+        return None
+    if device.type != "cuda":
+        return f"backend {backend!r} needs a CUDA GPU, this machine runs on {device}"
+    if backend == "tilelang":
+        if torch.cuda.get_device_capability(device) != (9, 0):
+            return f"backend 'tilelang' needs an SM90 (Hopper) GPU, {device} is SM{''.join(map(str, torch.cuda.get_device_capability(device)))}"
+        if not _importable("tilelang"):
+            return "backend 'tilelang' needs the tilelang package, which is not installed"
+    if backend == "fla" and not _importable("fla"):
+        return "backend 'fla' needs fla-core (pip install 'flashqla-hybrid[baseline]'), which is not installed"
+    return None
+
+
+def _importable(module: str) -> bool:
     try:
-        import tilelang  # noqa: F401
+        __import__(module)
     except ImportError:
         return False
     return True
+
+
+def _hopper_available(device: torch.device) -> bool:
+    return backend_unavailable_reason("tilelang", device) is None
 
 
 def check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu=None) -> list[int] | None:
