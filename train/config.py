@@ -5,6 +5,7 @@ from __future__ import annotations
 from numbers import Real
 from pathlib import Path
 
+import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from qwen_hybrid.config import GDN_BACKENDS, NAMED_SIZES
@@ -75,6 +76,11 @@ def validate_config(cfg: DictConfig) -> None:
     _number("train.lr", train.lr, 0.0)
     _number("train.min_lr_ratio", train.min_lr_ratio, 0.0, 1.0)
     _integer("train.warmup_steps", train.warmup_steps, 0)
+    if train.warmup_steps > train.steps:
+        raise ConfigError(
+            f"train.warmup_steps={train.warmup_steps}: expected <= train.steps={train.steps} (the schedule would "
+            "never reach the peak lr)"
+        )
     _number("train.weight_decay", train.weight_decay, 0.0)
     if not isinstance(train.betas, ListConfig) or len(train.betas) != 2:
         raise ConfigError(f"train.betas={train.betas!r}: expected a list of two numbers in [0, 1)")
@@ -92,6 +98,11 @@ def validate_config(cfg: DictConfig) -> None:
     if train.stop_at_step is not None:
         _integer("train.stop_at_step", train.stop_at_step, 1)
     _boolean("train.export_hf", train.export_hf)
+    _integer("train.max_bad_steps", train.max_bad_steps, 1)
+    _boolean("train.overwrite", train.overwrite)
+    if train.overwrite and train.resume is not None:
+        raise ConfigError(f"train.overwrite=true: expected train.resume=null (got {train.resume!r}); overwriting "
+                          "deletes the run that resuming would continue")
     if train.resume is not None and train.resume != "auto":
         resume_path = Path(str(train.resume))
         if not resume_path.is_dir():
@@ -123,6 +134,8 @@ def validate_config(cfg: DictConfig) -> None:
     _boolean("benchmark.kernel_timing", bench.kernel_timing)
     _integer("benchmark.warmup_steps", bench.warmup_steps, 0)
     _integer("benchmark.profile_step", bench.profile_step, 0)
+    if bench.peak_tflops is not None:
+        _number("benchmark.peak_tflops", bench.peak_tflops, 1e-6)
     if not isinstance(bench.compare_backends, ListConfig):
         raise ConfigError(f"benchmark.compare_backends={bench.compare_backends!r}: expected a list such as [tilelang,fla]")
     if bench.compare_backends:
@@ -132,6 +145,19 @@ def validate_config(cfg: DictConfig) -> None:
             )
         for i, backend in enumerate(bench.compare_backends):
             _choice(f"benchmark.compare_backends[{i}]", backend, GDN_BACKENDS)
+
+
+def check_environment(cfg: DictConfig) -> None:
+    """What this machine must offer for the config: the GDN backends it names."""
+    from flashqla.api import backend_unavailable_reason
+
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    named = [("model.gdn_backend", cfg.model.gdn_backend)]
+    named += [(f"benchmark.compare_backends[{i}]", b) for i, b in enumerate(cfg.benchmark.compare_backends)]
+    for key, backend in named:
+        reason = backend_unavailable_reason(backend, device)
+        if reason is not None:
+            raise ConfigError(f"{key}={backend!r}: {reason} (model.gdn_backend=auto picks what runs here)")
 
 
 def check_parallel_layout(cfg: DictConfig, world_size: int) -> None:

@@ -1,13 +1,18 @@
 """Per-step metrics: `metrics.jsonl` in the run directory and W&B (written by rank 0; loss and peak
-memory gathered from every rank), per-kernel times from module hooks (rank 0's), one-step profile
-summaries, and the step-by-step backend comparison."""
+memory gathered from every rank), and the benchmark-only instruments of a step (`StepInstruments`):
+per-kernel times from module hooks (rank 0's), one-step profile summaries, and the step-by-step
+backend comparison."""
 from __future__ import annotations
 
 import json
+import logging
+import os
 import resource
 import secrets
 import statistics
 import time
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -106,6 +111,40 @@ def profile_summary(prof, wall_s: float, count: int = 30) -> tuple[str, dict]:
     return "\n".join(lines) + "\n", {"profile/gpu_busy_s": gpu_busy_s, "profile/wall_s": wall_s}
 
 
+# Dense bf16 tensor-core peak per GPU (the vendor's figure), for model FLOPs utilisation.
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "H20": 148.0, "A100": 312.0}
+
+
+def matmul_parameters(num_parameters: int, config) -> int:
+    """Parameters that take part in a matmul per token: all but the embedding table, whose lookup
+    is free; the LM head's V x H matmul counts once whether or not it shares the table."""
+    embedding = config.vocab_size * config.hidden_size
+    return num_parameters - embedding + (embedding if config.tie_word_embeddings else 0)
+
+
+def training_flops(matmul_params: int, config, document_lengths: list[int]) -> float:
+    """FLOPs of one forward + backward over a packed sequence (docs/performance.md, "Model FLOPs"):
+    6 N T for the parameter matmuls, plus causal attention's QK^T and PV per attention layer,
+    2 H d L^2 forward per document of length L (half of the full square), three times that with
+    the backward. The GDN op's own chunk products (about 1 % of 6 N T at 0.8B) are not counted,
+    nor activation-checkpoint recomputation (model FLOPs, not hardware FLOPs)."""
+    tokens = sum(document_lengths)
+    attention_layers = sum(t == "full_attention" for t in config.layer_types)
+    attention = 6 * config.num_attention_heads * config.head_dim * sum(length * length for length in document_lengths)
+    return 6.0 * matmul_params * tokens + attention_layers * attention
+
+
+def peak_tflops(device: torch.device, configured: float | None) -> float | None:
+    """Peak per GPU for MFU: benchmark.peak_tflops when set, else the table by device name; None
+    on the CPU or an unknown GPU (then no MFU is logged)."""
+    if configured is not None:
+        return float(configured)
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_BF16_TFLOPS.items() if key in name.split()), None)
+
+
 def peak_memory_gib(device: torch.device) -> float:
     """Peak allocated CUDA memory since the last reset, or the process's peak RSS on CPU."""
     if device.type == "cuda":
@@ -175,15 +214,115 @@ class BackendComparison:
         return columns, rows
 
 
+@dataclass
+class StepTiming:
+    seconds: float = 0.0
+    profile: dict | None = None
+
+
+class StepInstruments:
+    """What `benchmark.*` adds to a step, kept out of the training loop: the GDN backend of this
+    step when alternating (`compare_backends`), kernel timing hooks, and the profiler on
+    `profile_step`. With all of them off it only times the step."""
+
+    def __init__(self, bench_cfg, model: nn.Module, device: torch.device, run_dir: Path, rank: int):
+        self.device, self.run_dir, self.rank = device, run_dir, rank
+        self.profile_step = bench_cfg.profile_step
+        self.comparison = None
+        if bench_cfg.compare_backends:
+            self.comparison = BackendComparison(list(bench_cfg.compare_backends), bench_cfg.warmup_steps)
+        self.timer = KernelTimer(model, device) if bench_cfg.kernel_timing or self.comparison else None
+        self._gdn_modules = [m for m in model.modules() if isinstance(m, GatedDeltaRule)]
+
+    def phase(self, name: str) -> None:
+        """'fwd' or 'bwd': forwards run during 'bwd' are checkpoint recomputation."""
+        if self.timer is not None:
+            self.timer.phase = name
+
+    @contextmanager
+    def step(self, step: int):
+        """Times the step (device synchronized at both ends); yields its StepTiming."""
+        if self.comparison is not None:
+            backend = self.comparison.backend_for_step(step)
+            for module in self._gdn_modules:
+                module.backend = backend
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        timing = StepTiming()
+        profiled = step == self.profile_step and self.rank == 0
+        with _profiler(self.device) if profiled else nullcontext() as profiler:
+            _synchronize(self.device)
+            start = time.perf_counter()
+            yield timing
+            _synchronize(self.device)
+            timing.seconds = time.perf_counter() - start
+        if profiler is not None:
+            report, timing.profile = profile_summary(profiler, timing.seconds)
+            path = self.run_dir / f"profile-step{step}.txt"
+            path.write_text(report)
+            logging.getLogger("train").info(f"profile of this step written to {path}")
+
+    def record(self, step: int, timing: StepTiming) -> dict:
+        """This step's benchmark metrics: profile, kernel times and the rest, backend ratios."""
+        record = dict(timing.profile or {})
+        if self.timer is not None:
+            kernel_times = self.timer.collect()
+            record.update(kernel_times)
+            record["time/rest_s"] = timing.seconds - sum(kernel_times.values())
+        if self.comparison is not None:
+            record["gdn_backend"] = self.comparison.backend_for_step(step)
+            times = {"step_time_s": timing.seconds, **{k: v for k, v in record.items() if k.startswith("time/")}}
+            record.update(self.comparison.record(step, times, timed=timing.profile is None))
+        return record
+
+    def log_comparison(self, metrics: "MetricsLog", step: int) -> None:
+        if self.comparison is not None:
+            metrics.log_comparison(self.comparison, step)
+
+    def close(self) -> None:
+        if self.timer is not None:
+            self.timer.remove()
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _profiler(device: torch.device):
+    """torch.profiler over one step: host ops, and GPU kernels on CUDA."""
+    from torch.profiler import ProfilerActivity, profile
+
+    return profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else []))
+
+
+def read_records(path: Path) -> list[dict]:
+    """The records of a metrics.jsonl; a line that does not parse (a run killed mid-write leaves its
+    last line torn) is dropped with a warning naming it."""
+    records = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            logging.getLogger("train").warning(f"{path}: line {number} is not JSON (torn by a crash?), dropped: {line[:80]!r}")
+    return records
+
+
 class MetricsLog:
-    """One JSON object per step in run_dir/metrics.jsonl, mirrored to W&B. Only rank 0 makes one."""
+    """One JSON object per step in run_dir/metrics.jsonl, mirrored to W&B. Only rank 0 makes one.
+
+    `resumed_step`: the step training continues from; the lines of later steps (logged by the run
+    that died, and redone now) are dropped, as is a torn last line."""
 
     def __init__(self, run_dir: Path, logger_cfg: dict, run_config: dict, resumed_step: int | None):
         self.path = run_dir / METRICS_FILE
         if resumed_step is not None and self.path.exists():
-            # steps after the checkpoint were logged by the interrupted run and are redone now
-            kept = [line for line in self.path.read_text().splitlines() if json.loads(line)["step"] <= resumed_step]
-            self.path.write_text("".join(line + "\n" for line in kept))
+            kept = [r for r in read_records(self.path) if r.get("step", 0) <= resumed_step]
+            partial = self.path.with_name(self.path.name + ".tmp")
+            partial.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            os.replace(partial, self.path)
         self._file = open(self.path, "a")
         self.wandb_run = None
         if logger_cfg["mode"] != "disabled":

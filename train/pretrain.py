@@ -8,16 +8,25 @@ The config groups live in configs/ (see configs/pretrain.yaml). Every rank write
 directory chosen by rank 0: metrics.jsonl, config.yaml, checkpoints/, hf_final/, wandb/.
 parallel.tp=N splits every layer's heads over N consecutive ranks (they read the same data);
 the world size / N data-parallel replicas share ZeRO's partitions.
+
+The run: `preflight` (every config and environment error, before anything is written), `setup`
+(processes, run directory, data, model, engine, resume), `train_loop` (one `train_step` per
+optimizer step, then the step's one collective, the divergence guard, metrics and the checkpoint
+policy). Exit codes: 0 done, 2 config error, 3 diverged, 128 + signal when stopped by one.
 """
 from __future__ import annotations
 
 import logging
+import math
 import os
+import shutil
 import signal
 import socket
 import sys
 import time
-from contextlib import closing, nullcontext
+import uuid
+from contextlib import closing
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -34,7 +43,6 @@ from tqdm import tqdm
 
 from qwen_hybrid import QwenHybridConfig, QwenHybridForCausalLM
 from qwen_hybrid.checkpoint_io import read_config
-from qwen_hybrid.layers import GatedDeltaRule
 from qwen_hybrid.parallel import (
     ParallelGroups,
     init_parallel_groups,
@@ -43,6 +51,8 @@ from qwen_hybrid.parallel import (
     shard_model,
 )
 from train.checkpoint import (
+    CHECKPOINTS_DIR,
+    HF_EXPORT_DIR,
     ResumePoint,
     TrainerState,
     export_hf,
@@ -50,14 +60,27 @@ from train.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from train.config import ConfigError, check_parallel_layout, deepspeed_config, validate_config
-from train.data import MicroBatchSampler, PackedDataset
-from train.metrics import BackendComparison, KernelTimer, MetricsLog, peak_memory_gib, profile_summary
+from train.config import ConfigError, check_environment, check_parallel_layout, deepspeed_config, validate_config
+from train.data import ByteTokenizer, MicroBatchSampler, PackedDataset
+from train.embedded_corpus import embedded_documents
+from train.metrics import (
+    METRICS_FILE,
+    WANDB_ID_FILE,
+    MetricsLog,
+    StepInstruments,
+    matmul_parameters,
+    peak_memory_gib,
+    peak_tflops,
+    training_flops,
+)
 from train.prepare_data import build_embedded_dataset
 from train.schedule import warmup_cosine_scheduler
 
 log = logging.getLogger("train")
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
+EXIT_DIVERGED = 3
+# What marks a run directory as holding a run: a fresh start there would mix two runs.
+RUN_MARKERS = (METRICS_FILE, CHECKPOINTS_DIR, "config.yaml")
 
 
 class StopRequest:
@@ -73,6 +96,29 @@ class StopRequest:
         if self.signal_number == signal.SIGINT and signal_number == signal.SIGINT:
             raise KeyboardInterrupt
         self.signal_number = signal_number
+
+
+class DivergenceGuard:
+    """Counts optimizer steps whose loss or gradient norm is not finite, or that DeepSpeed skipped.
+    After `max_bad_steps` in a row the run has diverged; while a streak is open no checkpoint may
+    be saved, so the last good one is never rotated out by frozen or NaN weights."""
+
+    def __init__(self, max_bad_steps: int):
+        self.max_bad_steps = max_bad_steps
+        self.streak: list[int] = []
+
+    def observe(self, step: int, loss: float, grad_norm: float | None, skipped: bool) -> bool:
+        bad = skipped or not math.isfinite(loss) or (grad_norm is not None and not math.isfinite(grad_norm))
+        self.streak = self.streak + [step] if bad else []
+        return bad
+
+    @property
+    def in_bad_streak(self) -> bool:
+        return bool(self.streak)
+
+    @property
+    def diverged(self) -> bool:
+        return len(self.streak) >= self.max_bad_steps
 
 
 def init_distributed() -> tuple[int, int, int]:
@@ -94,8 +140,51 @@ def init_distributed() -> tuple[int, int, int]:
     return dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0))
 
 
+def preflight(cfg: DictConfig) -> ResumePoint | None:
+    """Every error the config and this machine can show before anything is written (run directory,
+    dataset build): ConfigError naming the key. Returns where to resume from, if anywhere."""
+    validate_config(cfg)
+    check_parallel_layout(cfg, int(os.environ.get("WORLD_SIZE", 1)))
+    check_environment(cfg)
+    tokens = _dataset_tokens(cfg)
+    if tokens < cfg.train.tokens_per_micro_batch:
+        raise ConfigError(
+            f"train.tokens_per_micro_batch={cfg.train.tokens_per_micro_batch}: the dataset "
+            f"({cfg.data.path or 'embedded corpus, data.embedded_documents=' + str(cfg.data.embedded_documents)}) "
+            f"holds only {tokens} tokens; expected at least one micro-batch"
+        )
+    resume_point = None
+    if cfg.train.resume is not None:
+        try:
+            resume_point = find_resume_point(str(cfg.train.resume), cfg.run_dir)
+        except ConfigError:
+            raise
+        except ValueError as error:
+            raise ConfigError(f"train.resume={cfg.train.resume!r}: {error}") from error
+    if cfg.run_dir is not None and cfg.train.resume is None and not cfg.train.overwrite:
+        found = [name for name in RUN_MARKERS if (Path(str(cfg.run_dir)) / name).exists()]
+        if found:
+            raise ConfigError(
+                f"run_dir={cfg.run_dir!r}: holds an earlier run ({', '.join(found)}); continue it with "
+                "train.resume=auto, replace it with train.overwrite=true, or choose another run_dir"
+            )
+    return resume_point
+
+
+def _dataset_tokens(cfg: DictConfig) -> int:
+    if cfg.data.path is not None:
+        try:
+            return PackedDataset(cfg.data.path).num_tokens
+        except (ValueError, OSError) as error:
+            raise ConfigError(f"data.path={cfg.data.path!r}: {error}") from error
+    # what build_embedded_dataset will write (bytes plus one end-of-document id), without writing it
+    tokenizer = ByteTokenizer()
+    return sum(len(tokenizer.encode(text)) + 1 for text in embedded_documents(cfg.data.embedded_documents))
+
+
 def agree_on_run_dir(cfg: DictConfig, resume_point: ResumePoint | None) -> Path:
-    """Rank 0 picks the run directory (one timestamp for all), the others receive it."""
+    """Rank 0 picks the run directory (one timestamp for all) and, with train.overwrite, clears
+    the earlier run in it; the others receive the path."""
     chosen = [None]
     if dist.get_rank() == 0:
         if cfg.run_dir is not None:
@@ -106,7 +195,12 @@ def agree_on_run_dir(cfg: DictConfig, resume_point: ResumePoint | None) -> Path:
             stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
             model_name = Path(str(cfg.model.init_from)).name if cfg.model.init_from else cfg.model.name
             chosen[0] = str(Path(cfg.runs_root) / f"{model_name}-{stamp}")
-        Path(chosen[0]).mkdir(parents=True, exist_ok=True)
+        run_dir = Path(chosen[0])
+        if cfg.train.overwrite and cfg.train.resume is None:
+            for name in RUN_MARKERS + (HF_EXPORT_DIR, WANDB_ID_FILE):
+                path = run_dir / name
+                shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+        run_dir.mkdir(parents=True, exist_ok=True)
     dist.broadcast_object_list(chosen, src=0)
     return Path(chosen[0])
 
@@ -182,86 +276,9 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decayed, "weight_decay": weight_decay}, {"params": plain, "weight_decay": 0.0}]
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def step_profiler(device: torch.device, enabled: bool):
-    """torch.profiler over one step (host ops, and GPU kernels on CUDA) when enabled, else a no-op
-    context yielding None. Its timings are left out of the run summary and the backend comparison."""
-    if not enabled:
-        return nullcontext()
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    return profile(activities=activities)
-
-
-def write_profile(profiler, step_time: float, path: Path) -> dict:
-    report, record = profile_summary(profiler, step_time)
-    path.write_text(report)
-    log.info(f"profile of this step written to {path}")
-    return record
-
-
-def train_step(engine, sampler: MicroBatchSampler, data_position: int, accumulation: int, device: torch.device,
-               timer: KernelTimer | None) -> torch.Tensor:
-    """Forward and backward over this rank's micro-batches, then the optimizer step (DeepSpeed
-    steps at the accumulation boundary). Returns the sum of the micro-batch losses."""
-    loss_sum = torch.zeros((), dtype=torch.float32, device=device)
-    for micro_step in range(accumulation):
-        batch = sampler.rank_micro_batch(data_position, micro_step)
-        input_ids = batch.input_ids.to(device, non_blocking=True)
-        if timer is not None:
-            timer.phase = "fwd"
-        output = engine(
-            input_ids,
-            cu_seqlens=batch.cu_seqlens,  # on the CPU: the model keeps the host copy and moves it
-            position_ids=batch.position_ids.to(device, non_blocking=True),
-            labels=input_ids,
-        )
-        if timer is not None:
-            timer.phase = "bwd"
-        engine.backward(output.loss)
-        engine.step()
-        loss_sum += output.loss.detach().float()
-    return loss_sum
-
-
-def train(cfg: DictConfig) -> int:
+def build_engine(cfg: DictConfig, model: QwenHybridForCausalLM, device: torch.device, groups: ParallelGroups):
     import deepspeed
 
-    validate_config(cfg)
-    rank, world_size, local_rank = init_distributed()
-    check_parallel_layout(cfg, world_size)
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s", force=True)
-    deepspeed.utils.logger.setLevel(logging.WARNING)
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-        if "OMP_NUM_THREADS" not in os.environ:
-            # CPU runs use small models, whose ops are too short to gain from threads that only contend
-            torch.set_num_threads(1)
-    parallel_groups = init_parallel_groups(cfg.parallel.tp)  # after set_device: NCCL groups bind to it
-
-    resume_point = None
-    if cfg.train.resume is not None:
-        resume_point = find_resume_point(str(cfg.train.resume), cfg.run_dir)
-    run_dir = agree_on_run_dir(cfg, resume_point)
-    if rank == 0:
-        config_name = "config.yaml" if resume_point is None else f"config.resumed_{resume_point.tag}.yaml"
-        (run_dir / config_name).write_text(OmegaConf.to_yaml(cfg, resolve=True))
-
-    torch.manual_seed(cfg.train.seed)
-    dataset = open_dataset(cfg, local_rank)
-    dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
-    model = build_model(cfg, device, dtype, dataset.vocab_size, parallel_groups)
-    num_parameters = count_parameters(model)
-
-    ds_config = deepspeed_config(cfg, on_cuda=device.type == "cuda")
     train_cfg = cfg.train
     optimizer_groups = parameter_groups(model, train_cfg.weight_decay)
     client_optimizer = None
@@ -276,142 +293,262 @@ def train(cfg: DictConfig) -> int:
         lr_scheduler=lambda optimizer: warmup_cosine_scheduler(
             optimizer, train_cfg.warmup_steps, train_cfg.steps, train_cfg.min_lr_ratio
         ),
-        config=ds_config,
+        config=deepspeed_config(cfg, on_cuda=device.type == "cuda"),
         dist_init_required=False,
         # ZeRO partitions and averages over the data-parallel group; the gradient norm counts each shard once
-        mpu=parallel_groups if cfg.parallel.tp > 1 else None,
+        mpu=groups if cfg.parallel.tp > 1 else None,
     )
+    return engine
 
-    state = TrainerState()
+
+@dataclass
+class Run:
+    """Everything the loop needs, made once by `setup`."""
+
+    cfg: DictConfig
+    rank: int
+    world_size: int
+    device: torch.device
+    groups: ParallelGroups
+    run_dir: Path
+    engine: object
+    sampler: MicroBatchSampler
+    state: TrainerState
+    resumed: bool
+    instruments: StepInstruments
+    metrics: MetricsLog | None
+    tokens_per_step: int
+    matmul_params: int  # of the whole model, for the FLOP count
+    peak_tflops: float | None  # per GPU, for MFU
+    records: list[dict] = field(default_factory=list)
+
+
+def setup(cfg: DictConfig, resume_point: ResumePoint | None) -> Run:
+    import deepspeed
+
+    rank, world_size, local_rank = init_distributed()
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s", force=True)
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        if "OMP_NUM_THREADS" not in os.environ:
+            # CPU runs use small models, whose ops are too short to gain from threads that only contend
+            torch.set_num_threads(1)
+    groups = init_parallel_groups(cfg.parallel.tp)  # after set_device: NCCL groups bind to it
+
+    run_dir = agree_on_run_dir(cfg, resume_point)
+    if rank == 0:
+        config_name = "config.yaml" if resume_point is None else f"config.resumed_{resume_point.tag}.yaml"
+        (run_dir / config_name).write_text(OmegaConf.to_yaml(cfg, resolve=True))
+
+    torch.manual_seed(cfg.train.seed)
+    dataset = open_dataset(cfg, local_rank)
+    dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
+    model = build_model(cfg, device, dtype, dataset.vocab_size, groups)
+    num_parameters = count_parameters(model)
+    engine = build_engine(cfg, model, device, groups)
+
+    state = TrainerState(run_id=_agreed_run_id())
     if resume_point is not None:
         state = load_checkpoint(engine, resume_point, cfg.parallel.tp)
         log.info(f"resumed from {resume_point.checkpoints_dir / resume_point.tag} at step {state.step}")
+    train_cfg = cfg.train
     # the ranks of one tensor-parallel group read the same micro-batches
-    dp_rank, dp_size = parallel_groups.dp_rank, parallel_groups.dp_size
     sampler = MicroBatchSampler(
-        dataset, train_cfg.tokens_per_micro_batch, train_cfg.seq_len, train_cfg.seed, dp_rank, dp_size,
+        dataset, train_cfg.tokens_per_micro_batch, train_cfg.seq_len, train_cfg.seed, groups.dp_rank, groups.dp_size,
         document_boundaries=cfg.data.document_boundaries,
     )
-    comparison = None
-    if cfg.benchmark.compare_backends:
-        comparison = BackendComparison(list(cfg.benchmark.compare_backends), cfg.benchmark.warmup_steps)
-    timer = KernelTimer(engine.module, device) if cfg.benchmark.kernel_timing or comparison else None
-    gdn_modules = [m for m in engine.module.modules() if isinstance(m, GatedDeltaRule)]
-
     metrics = None
     if rank == 0:
-        metrics = MetricsLog(
-            run_dir, OmegaConf.to_container(cfg.logger, resolve=True), OmegaConf.to_container(cfg, resolve=True),
-            state.step if resume_point else None,
-        )
+        # a requested resume that found no checkpoint starts at step 0: the dead run's lines go too
+        resumed_step = state.step if cfg.train.resume is not None else None
+        metrics = MetricsLog(run_dir, OmegaConf.to_container(cfg.logger, resolve=True),
+                             OmegaConf.to_container(cfg, resolve=True), resumed_step)
         log.info(
             f"run directory {run_dir}\nmodel {cfg.model.init_from or cfg.model.name} ({num_parameters / 1e6:.1f}M parameters), "
             f"{world_size} rank(s) on {device.type} (tensor parallel {cfg.parallel.tp}"
             f"{', sequence parallel' if cfg.parallel.sequence_parallel and cfg.parallel.tp > 1 else ''} x data parallel "
-            f"{dp_size}), ZeRO-{cfg.deepspeed.zero_stage}, {cfg.train.precision}, "
+            f"{groups.dp_size}), ZeRO-{cfg.deepspeed.zero_stage}, {cfg.train.precision}, "
             f"data {dataset.path} ({dataset.num_tokens} tokens)"
         )
+    return Run(
+        cfg=cfg, rank=rank, world_size=world_size, device=device, groups=groups, run_dir=run_dir, engine=engine,
+        sampler=sampler, state=state, resumed=resume_point is not None,
+        instruments=StepInstruments(cfg.benchmark, engine.module, device, run_dir, rank), metrics=metrics,
+        tokens_per_step=train_cfg.tokens_per_micro_batch * train_cfg.gradient_accumulation * groups.dp_size,
+        matmul_params=matmul_parameters(num_parameters, engine.module.config),
+        peak_tflops=peak_tflops(device, cfg.benchmark.peak_tflops),
+    )
+
+
+def _agreed_run_id() -> str:
+    """One id for this run on every rank; checkpoints carry it so pruning never touches another run's."""
+    chosen = [uuid.uuid4().hex if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(chosen, src=0)
+    return chosen[0]
+
+
+def train_step(run: "Run", data_position: int) -> tuple[torch.Tensor, float]:
+    """Forward and backward over this rank's micro-batches, then the optimizer step (DeepSpeed
+    steps at the accumulation boundary). Returns the sum of the micro-batch losses and their
+    model FLOPs."""
+    engine, device, instruments = run.engine, run.device, run.instruments
+    loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+    flops = 0.0
+    for micro_step in range(run.cfg.train.gradient_accumulation):
+        batch = run.sampler.rank_micro_batch(data_position, micro_step)
+        flops += training_flops(run.matmul_params, engine.module.config, batch.cu_seqlens.diff().tolist())
+        input_ids = batch.input_ids.to(device, non_blocking=True)
+        instruments.phase("fwd")
+        output = engine(
+            input_ids,
+            cu_seqlens=batch.cu_seqlens,  # on the CPU: the model keeps the host copy and moves it
+            position_ids=batch.position_ids.to(device, non_blocking=True),
+            labels=input_ids,
+        )
+        instruments.phase("bwd")
+        engine.backward(output.loss)
+        engine.step()
+        loss_sum += output.loss.detach().float()
+    return loss_sum, flops
+
+
+@dataclass
+class StepSummary:
+    """What every rank agrees on after a step (from its one collective)."""
+
+    loss: float
+    stop_requested: bool
+    peak_gib: float
+    peak_reserved_gib: float
+    flops: float  # model FLOPs of the whole step, all data-parallel replicas
+
+
+def agree_on_step(run: Run, loss_sum: torch.Tensor, flops: float, stop: StopRequest) -> StepSummary:
+    """One collective per step: the mean loss over ranks (the ranks of a tp group agree), whether
+    any rank was signalled, the largest peak memory of any rank, and the step's FLOPs."""
+    device = run.device
+    reserved = torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else 0.0
+    mine = torch.stack([loss_sum / run.cfg.train.gradient_accumulation] + [
+        torch.tensor(x, dtype=torch.float32, device=device)
+        for x in (float(stop.signal_number is not None), peak_memory_gib(device), reserved, flops / 1e12)])
+    everyone = [torch.empty_like(mine) for _ in range(run.world_size)]
+    dist.all_gather(everyone, mine)
+    everyone = torch.stack(everyone).cpu().double()
+    return StepSummary(
+        loss=everyone[:, 0].sum().item() / run.world_size, stop_requested=everyone[:, 1].sum().item() > 0,
+        peak_gib=everyone[:, 2].max().item(), peak_reserved_gib=everyone[:, 3].max().item(),
+        # the ranks of a tensor-parallel group train on the same tokens: count them once
+        flops=everyone[:, 4].sum().item() * 1e12 / run.cfg.parallel.tp,
+    )
+
+
+def checkpoint_due(train_cfg: DictConfig, step: int, exiting: bool) -> bool:
+    periodic = train_cfg.checkpoint_every > 0 and step % train_cfg.checkpoint_every == 0
+    return periodic or (exiting and train_cfg.checkpoint_at_exit)
+
+
+def train_loop(run: Run) -> int:
+    """Steps until train.steps (or train.stop_at_step), a signal, or divergence; returns the exit code."""
+    cfg, state, engine = run.cfg, run.state, run.engine
+    train_cfg = cfg.train
     stop = StopRequest()
-    tokens_per_step = train_cfg.tokens_per_micro_batch * train_cfg.gradient_accumulation * dp_size
+    guard = DivergenceGuard(train_cfg.max_bad_steps)
     last_step = train_cfg.steps if train_cfg.stop_at_step is None else min(train_cfg.steps, train_cfg.stop_at_step)
-    saved_step = state.step if resume_point is not None else None
-    start_step = state.step
-    progress = tqdm(total=train_cfg.steps, initial=state.step, desc="train", disable=rank != 0, dynamic_ncols=True)
-    exit_code = 0
-    step_records: list[dict] = []
+    saved_step = state.step if run.resumed else None
+    start_step, skipped_before = state.step, engine.skipped_steps
+    progress = tqdm(total=train_cfg.steps, initial=state.step, desc="train", disable=run.rank != 0, dynamic_ncols=True)
     try:
         while state.step < last_step:
             step = state.step + 1
-            if comparison is not None:
-                backend = comparison.backend_for_step(step)
-                for module in gdn_modules:
-                    module.backend = backend
             lr = engine.get_lr()[0]
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-            profiled = step == cfg.benchmark.profile_step
-            with step_profiler(device, enabled=profiled and rank == 0) as profiler:
-                synchronize(device)
-                step_start = time.perf_counter()
-                loss_sum = train_step(engine, sampler, state.data_position, train_cfg.gradient_accumulation, device,
-                                      timer)
-                synchronize(device)
-                step_time = time.perf_counter() - step_start
-            profile_record = write_profile(profiler, step_time, run_dir / f"profile-step{step}.txt") if profiler else {}
-
+            with run.instruments.step(step) as timing:
+                loss_sum, flops = train_step(run, state.data_position)
             state.step = step
-            state.data_position += train_cfg.gradient_accumulation * dp_size
-            state.tokens_seen += tokens_per_step
-            # one collective per step: the mean loss over ranks (the ranks of a tp group agree),
-            # whether any rank was signalled, and the largest peak memory of any rank
-            reserved = torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else 0.0
-            mine = torch.stack([loss_sum / train_cfg.gradient_accumulation] + [
-                torch.tensor(x, dtype=torch.float32, device=device)
-                for x in (float(stop.signal_number is not None), peak_memory_gib(device), reserved)])
-            everyone = [torch.empty_like(mine) for _ in range(world_size)]
-            dist.all_gather(everyone, mine)
-            everyone = torch.stack(everyone).cpu()
-            mean_loss = everyone[:, 0].sum().item() / world_size
-            stop_now = everyone[:, 1].sum().item() > 0
-            peak_gib, peak_reserved_gib = everyone[:, 2].max().item(), everyone[:, 3].max().item()
+            state.data_position += train_cfg.gradient_accumulation * run.groups.dp_size
+            state.tokens_seen += run.tokens_per_step
+            summary = agree_on_step(run, loss_sum, flops, stop)
 
             grad_norm = engine.get_global_grad_norm()
+            grad_norm = float(grad_norm) if grad_norm is not None else None
+            skipped = engine.skipped_steps > skipped_before
+            skipped_before = engine.skipped_steps
+            bad = guard.observe(step, summary.loss, grad_norm, skipped)
             record = {
                 "step": step,
-                "loss": mean_loss,
+                "loss": summary.loss,
                 "lr": lr,
-                "grad_norm": float(grad_norm) if grad_norm is not None else None,
-                "tokens_per_s": tokens_per_step / step_time,
-                "step_time_s": step_time,
-                "peak_memory_gib": peak_gib,  # the largest over ranks
-                **({"peak_memory_reserved_gib": peak_reserved_gib} if device.type == "cuda" else {}),
+                "grad_norm": grad_norm,
+                "tokens_per_s": run.tokens_per_step / timing.seconds,
+                "step_time_s": timing.seconds,
+                "model_tflops_per_s": summary.flops / timing.seconds / 1e12,
+                **({"mfu": summary.flops / timing.seconds / 1e12 / (run.world_size * run.peak_tflops)}
+                   if run.peak_tflops else {}),
+                "peak_memory_gib": summary.peak_gib,  # the largest over ranks
+                **({"peak_memory_reserved_gib": summary.peak_reserved_gib} if run.device.type == "cuda" else {}),
                 "tokens_seen": state.tokens_seen,
-                **profile_record,
+                "skipped_steps": engine.skipped_steps,
+                "bad_step": bad,
+                **run.instruments.record(step, timing),
             }
-            if timer is not None:
-                kernel_times = timer.collect()
-                record.update(kernel_times)
-                record["time/rest_s"] = step_time - sum(kernel_times.values())
-            if comparison is not None:
-                record["gdn_backend"] = comparison.backend_for_step(step)
-                times = {"step_time_s": step_time, **{k: v for k, v in record.items() if k.startswith("time/")}}
-                record.update(comparison.record(step, times, timed=not profiled))
-            if metrics is not None:
-                metrics.log(record)
-                step_records.append(record)
+            if run.metrics is not None:
+                run.metrics.log(record)
+                run.records.append(record)
             progress.update(1)
-            progress.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
+            progress.set_postfix(loss=f"{summary.loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
 
-            checkpoint_due = train_cfg.checkpoint_every > 0 and step % train_cfg.checkpoint_every == 0
-            exiting = stop_now or step == last_step
-            if checkpoint_due or (exiting and train_cfg.checkpoint_at_exit):
-                save_checkpoint(engine, run_dir, state, train_cfg.keep_checkpoints)
-                saved_step = step
-            if stop_now:
-                exit_code = 128 + (stop.signal_number or signal.SIGTERM)
-                log.info(f"\nstopped by signal at step {step}; checkpoint saved in {run_dir}")
-                break
-        if state.step == train_cfg.steps and exit_code == 0:
-            if comparison is not None and metrics is not None:
-                metrics.log_comparison(comparison, state.step)
+            if guard.diverged:
+                log.error(
+                    f"training diverged: {len(guard.streak)} steps in a row ({guard.streak[0]}-{step}) had a non-finite "
+                    f"loss or gradient norm or were skipped by DeepSpeed (loss {summary.loss}, grad norm {grad_norm}, "
+                    f"train.max_bad_steps={train_cfg.max_bad_steps}); stopping without saving. The last good checkpoint "
+                    f"(step {saved_step}) is kept in {run.run_dir / CHECKPOINTS_DIR}; lower train.lr or raise "
+                    "train.max_bad_steps"
+                )
+                return EXIT_DIVERGED
+            exiting = summary.stop_requested or step == last_step
+            if checkpoint_due(train_cfg, step, exiting):
+                if guard.in_bad_streak:
+                    log.warning(f"step {step}: checkpoint not saved, the last {len(guard.streak)} step(s) were bad")
+                else:
+                    save_checkpoint(engine, run.run_dir, state, train_cfg.keep_checkpoints)
+                    saved_step = step
+            if summary.stop_requested:
+                log.info(f"\nstopped by signal at step {step}; last checkpoint: step {saved_step} in {run.run_dir}")
+                return 128 + (stop.signal_number or signal.SIGTERM)
+        if state.step == train_cfg.steps:
+            if run.metrics is not None:
+                run.instruments.log_comparison(run.metrics, state.step)
             if train_cfg.export_hf:
-                export_hf(engine, run_dir, parallel_groups)
+                export_hf(engine, run.run_dir, run.groups)
+        return 0
     except BaseException:
         # With several ranks a failure may leave the others blocked in a collective, where saving
         # would hang; the last periodic checkpoint stays valid either way.
-        if world_size == 1 and state.step > start_step and saved_step != state.step and train_cfg.checkpoint_at_exit:
+        if (run.world_size == 1 and state.step > start_step and saved_step != state.step
+                and train_cfg.checkpoint_at_exit and not guard.in_bad_streak):
             log.warning(f"saving a checkpoint at step {state.step} before exiting on the error")
-            save_checkpoint(engine, run_dir, state, train_cfg.keep_checkpoints)
+            save_checkpoint(engine, run.run_dir, state, train_cfg.keep_checkpoints)
         raise
     finally:
         progress.close()
-        if timer is not None:
-            timer.remove()
-        if metrics is not None:
-            metrics.log_run_summary(step_records, cfg.benchmark.warmup_steps)
-            metrics.close()
-    if rank == 0:
-        log.info(f"done: step {state.step}, run directory {run_dir}")
+
+
+def train(cfg: DictConfig) -> int:
+    resume_point = preflight(cfg)
+    run = setup(cfg, resume_point)
+    try:
+        exit_code = train_loop(run)
+    finally:
+        run.instruments.close()
+        if run.metrics is not None:
+            run.metrics.log_run_summary(run.records, cfg.benchmark.warmup_steps)
+            run.metrics.close()
+    if run.rank == 0:
+        log.info(f"done: step {run.state.step}, run directory {run.run_dir}")
     dist.barrier()
     dist.destroy_process_group()
     return exit_code

@@ -1,0 +1,187 @@
+"""What a run does when things go wrong: config and environment errors before any side effect,
+divergence, a torn metrics line, a run directory that already holds a run, and processes killed
+with SIGKILL at any moment (including during a save) resuming onto the uninterrupted loss curve."""
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from train.checkpoint import find_resume_point
+from train.config import ConfigError
+from train.pretrain import preflight
+from train_runs import PRETRAIN, REPO, pretrain_env, run_command, smoke_overrides, step_records, torchrun_command
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("failures")
+
+
+def _compose(*overrides: str):
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        return compose("pretrain", overrides=["experiment=cpu_smoke", *overrides])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU machine's answer to GPU backends")
+@pytest.mark.parametrize("override, key", [
+    ("model.gdn_backend=tilelang", "model.gdn_backend='tilelang': backend 'tilelang' needs a CUDA GPU"),
+    ("benchmark.compare_backends=[torch,fla]", "benchmark.compare_backends[1]='fla': backend 'fla' needs a CUDA GPU"),
+])
+def test_backend_this_machine_cannot_run_is_a_config_error(override, key):
+    with pytest.raises(ConfigError) as error:
+        preflight(_compose(override))
+    assert str(error.value).startswith(key)
+
+
+def test_schedule_dataset_and_resume_errors_name_their_key(tmp_path):
+    cases = [
+        (("train.warmup_steps=300",), "train.warmup_steps=300: expected <= train.steps=200"),
+        (("data.embedded_documents=1", "train.tokens_per_micro_batch=8192", "train.seq_len=512"),
+         "train.tokens_per_micro_batch=8192: the dataset (embedded corpus, data.embedded_documents=1) holds only"),
+        ((f"train.resume={tmp_path}",), f"train.resume='{tmp_path}'"),
+        (("train.overwrite=true", "train.resume=auto", f"run_dir={tmp_path}"), "train.overwrite=true: expected train.resume=null"),
+    ]
+    for overrides, message in cases:
+        with pytest.raises(ConfigError) as error:
+            preflight(_compose(*overrides))
+        assert str(error.value).startswith(message), (overrides, str(error.value))
+    assert list(tmp_path.iterdir()) == []  # preflight writes nothing
+
+
+def test_run_dir_holding_a_run_refuses_a_fresh_start(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 6.0}\n')
+    with pytest.raises(ConfigError, match=r"^run_dir=.*holds an earlier run \(metrics.jsonl\).*train.resume=auto"):
+        preflight(_compose(f"run_dir={tmp_path}"))
+    preflight(_compose(f"run_dir={tmp_path}", "train.overwrite=true"))
+    assert find_resume_point("auto", str(tmp_path)) is None
+    preflight(_compose(f"run_dir={tmp_path}", "train.resume=auto"))
+
+
+def test_config_error_exits_2_before_creating_anything(workdir):
+    run_dir, cache = workdir / "never" / "run", workdir / "never" / "cache"
+    result = subprocess.run(
+        [sys.executable, PRETRAIN, "experiment=cpu_smoke", f"run_dir={run_dir}", f"data.cache_dir={cache}",
+         "train.warmup_steps=1000"],
+        cwd=REPO, env=pretrain_env(workdir), capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1].startswith("config error: train.warmup_steps=1000")
+    assert not (workdir / "never").exists()
+
+
+def test_divergence_stops_with_exit_3_and_keeps_the_last_good_checkpoint(workdir):
+    run_dir = workdir / "diverged"
+    result = run_command(
+        [sys.executable, PRETRAIN] + smoke_overrides(
+            workdir, run_dir, "train.steps=8", "train.lr=1e6", "train.checkpoint_every=1", "train.keep_checkpoints=1",
+            "train.max_bad_steps=2", "logger.mode=disabled",
+        ),
+        workdir,
+    )
+    assert result.returncode == 3, result.stderr[-3000:]
+    records = step_records(run_dir)
+    bad = [r["step"] for r in records if r["bad_step"]]
+    assert bad == [records[-1]["step"] - 1, records[-1]["step"]], records
+    assert "training diverged: 2 steps in a row" in result.stderr and f"-{records[-1]['step']})" in result.stderr
+    last_good = bad[0] - 1
+    point = find_resume_point("auto", str(run_dir))
+    assert point.tag == f"step_{last_good:08d}", "the last good checkpoint must stay the one to resume from"
+    assert not (run_dir / "hf_final").exists()
+
+
+def test_torn_metrics_line_is_dropped_on_resume_and_a_rerun_needs_resume_or_overwrite(workdir):
+    run_dir = workdir / "torn"
+    first = run_command(
+        [sys.executable, PRETRAIN] + smoke_overrides(
+            workdir, run_dir, "train.steps=4", "train.stop_at_step=2", "logger.mode=disabled"), workdir)
+    assert first.returncode == 0
+    with open(run_dir / "metrics.jsonl", "a") as metrics:
+        metrics.write('{"step": 3, "loss": 5.1')  # killed mid-write
+    fresh = run_command([sys.executable, PRETRAIN] + smoke_overrides(
+        workdir, run_dir, "train.steps=4", "logger.mode=disabled"), workdir)
+    assert fresh.returncode == 2 and "holds an earlier run" in fresh.stderr
+    resumed = run_command([sys.executable, PRETRAIN] + smoke_overrides(
+        workdir, run_dir, "train.steps=4", "train.resume=auto", "logger.mode=disabled", "train.export_hf=false"),
+        workdir)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "line 4 is not JSON" in resumed.stderr
+    assert [r["step"] for r in step_records(run_dir)] == [1, 2, 3, 4]
+    overwritten = run_command([sys.executable, PRETRAIN] + smoke_overrides(
+        workdir, run_dir, "train.steps=2", "train.overwrite=true", "logger.mode=disabled", "train.export_hf=false"),
+        workdir)
+    assert overwritten.returncode == 0, overwritten.stderr[-3000:]
+    assert [r["step"] for r in step_records(run_dir)] == [1, 2]
+
+
+# --- SIGKILL at any moment --------------------------------------------------------------------
+
+KILL_STEPS = 10
+
+
+def _kill_run_overrides(workdir: Path, run_dir: Path, *extra: str) -> list[str]:
+    return smoke_overrides(workdir, run_dir, f"train.steps={KILL_STEPS}", "train.checkpoint_every=2",
+                           "train.keep_checkpoints=2", "logger.mode=disabled", "train.export_hf=false", *extra)
+
+
+def _start(command: list[str], workdir: Path) -> subprocess.Popen:
+    # its own session, so that one killpg reaches torchrun and both ranks at once, as a node failure would
+    return subprocess.Popen(command, cwd=REPO, env=pretrain_env(workdir), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def _kill_when(process: subprocess.Popen, ready, timeout: float = 240) -> bool:
+    """SIGKILL the whole process group as soon as ready() holds; False if the run ended first."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and process.poll() is None:
+        if ready():
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=60)
+            return True
+        time.sleep(0.005)
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGKILL)
+        raise AssertionError("the run neither reached the kill point nor ended")
+    return False
+
+
+def _steps_logged(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+@pytest.mark.slow
+def test_two_ranks_killed_at_random_moments_resume_onto_the_uninterrupted_loss_curve(workdir):
+    reference_dir, run_dir = workdir / "kill-reference", workdir / "kill"
+    command = torchrun_command(2) + [PRETRAIN]
+    reference = run_command(command + _kill_run_overrides(workdir, reference_dir), workdir)
+    assert reference.returncode == 0
+    random_step = random.Random(os.getpid()).randint(3, 6)
+    checkpoints = run_dir / "checkpoints"
+    kill_points = [
+        ("during a save", lambda: any(checkpoints.glob(".tmp-*"))),
+        (f"at a random moment (step {random_step})", lambda: _steps_logged(run_dir) >= random_step),
+        ("right after a save", lambda: any(checkpoints.glob("step_00000006"))),
+    ]
+    kills = []
+    for name, ready in kill_points:
+        resume = ["train.resume=auto"] if (run_dir / "metrics.jsonl").exists() else []
+        process = _start(command + _kill_run_overrides(workdir, run_dir, *resume), workdir)
+        if _kill_when(process, ready):
+            kills.append(name)
+            point = find_resume_point("auto", str(run_dir))
+            assert point is None or (checkpoints / point.tag).is_dir()
+    assert "during a save" in kills, "the kill during a save never happened: the test checked nothing there"
+    final = run_command(command + _kill_run_overrides(workdir, run_dir, "train.resume=auto"), workdir)
+    assert final.returncode == 0, final.stderr[-3000:]
+    expected, resumed = step_records(reference_dir), step_records(run_dir)
+    assert [r["step"] for r in resumed] == list(range(1, KILL_STEPS + 1)), kills
+    for a, b in zip(expected, resumed):
+        assert (a["step"], a["loss"], a["lr"], a["grad_norm"]) == (b["step"], b["loss"], b["lr"], b["grad_norm"]), kills
+    assert not list(checkpoints.glob(".tmp-*")), "a later save must clear a killed save's temporary directory"
