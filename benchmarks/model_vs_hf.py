@@ -12,7 +12,9 @@ Run from the repository root.
 """
 from __future__ import annotations
 
+import argparse
 import gc
+import inspect
 import json
 import os
 import sys
@@ -102,16 +104,41 @@ def profile_one_step(step, count: int) -> dict:
     return record
 
 
-def main(argv: list[str]) -> None:
-    if len(argv) != 1:
-        raise SystemExit(__doc__)
-    for case in json.loads(argv[0]):
+def parse_cases(text: str) -> list[dict]:
+    """The CASES argument: a JSON list of objects whose keys are measure()'s parameters."""
+    try:
+        cases = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON ({error}); expected a list like '[{{\"size\": \"0.8B\"}}]'")
+    if isinstance(cases, dict):
+        cases = [cases]
+    known = set(inspect.signature(measure).parameters)
+    if not isinstance(cases, list) or not all(isinstance(case, dict) for case in cases):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of objects, got {text!r}")
+    for case in cases:
+        if set(case) - known:
+            raise argparse.ArgumentTypeError(f"case {case} has unknown keys {sorted(set(case) - known)}; known: {sorted(known)}")
+    return cases
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.model_vs_hf", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("cases", type=parse_cases, help="JSON list of cases (one object is one case)")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        # everything below allocates on the current CUDA device
+        print("benchmarks.model_vs_hf: needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
+        return 2
+    for case in args.cases:
         result = measure(**case)
         print(json.dumps(result), flush=True)
         if os.environ.get("OUT"):
             with open(os.path.join(os.environ["OUT"], "bench.jsonl"), "a") as f:
                 f.write(json.dumps(result) + "\n")
+    return 0
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main())

@@ -60,6 +60,10 @@ def save_hf_checkpoint(
     Collective over the tensor-parallel group of data-parallel replica 0 (other replicas return at
     once); its first rank gathers the full tensors on CPU and writes. Under ZeRO-3 call it inside
     `deepspeed.zero.GatheredParameters(model.parameters())`.
+
+    Both paths write through `checkpoint_io.save`: into `<path>.partial`, fsynced, then swapped
+    in, so a crash mid-export leaves the previous checkpoint at `path` (or, between the two
+    renames, at `<path>.previous`) complete. Only the writing rank touches the filesystem.
     """
     if groups.dp_rank != 0:
         return

@@ -2,6 +2,11 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,9 +14,12 @@ from safetensors.torch import load_file, save_file
 
 from flashqla.testing import relative_error
 from qwen_hybrid import QwenHybridConfig, QwenHybridForCausalLM
+from qwen_hybrid import checkpoint_io
 from qwen_hybrid.checkpoint_io import INDEX_FILE
 
 from model_fixtures import VOCAB_SIZE, make_tiny_hf_model, tiny_hf_checkpoint, tiny_hf_config, transformers  # noqa: F401
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def random_ids(batch: int, length: int, seed: int = 1) -> torch.Tensor:
@@ -156,3 +164,151 @@ def test_config_round_trips_through_hf():
     hf_again = transformers.Qwen3_5TextConfig(**config.to_hf())
     assert hf_again.layer_types == config.layer_types
     assert hf_again.rope_parameters["partial_rotary_factor"] == config.partial_rotary_factor
+
+
+# --- saving is crash-safe, loading refuses damaged checkpoints ---
+
+SMALL_SHARDS = 64 * 1024  # several files and an index for the tiny model
+
+
+def _assert_same_weights(directory, expected: QwenHybridForCausalLM):
+    reloaded = load_ours(directory).state_dict()
+    for name, tensor in expected.state_dict().items():
+        assert torch.equal(reloaded[name], tensor), name
+
+
+def _save_with(saver: str, model, directory, **kwargs):
+    if saver == "save_pretrained":
+        model.save_pretrained(directory, **kwargs)
+    else:
+        from qwen_hybrid.parallel import ParallelGroups, save_hf_checkpoint
+
+        single = ParallelGroups(tp_group=None, dp_group=None, tp_rank=0, tp_size=1, dp_rank=0, dp_size=1)
+        save_hf_checkpoint(model, single, directory, **kwargs)
+
+
+@pytest.mark.parametrize("saver", ["save_pretrained", "save_hf_checkpoint"])
+def test_a_crash_mid_save_leaves_the_old_checkpoint_complete(tiny_hf_checkpoint, tmp_path, monkeypatch, saver):
+    old = load_ours(tiny_hf_checkpoint[0])
+    directory = tmp_path / "hf_final"
+    _save_with(saver, old, directory, max_shard_bytes=SMALL_SHARDS)
+    (directory / "tokenizer.json").write_text("{}")
+    new = load_ours(tiny_hf_checkpoint[0])
+    with torch.no_grad():
+        for param in new.parameters():
+            param.add_(1.0)
+
+    written = []
+    real_save_file = checkpoint_io.save_file
+
+    def crash_after_first_shard(tensors, file, metadata=None):
+        if written:
+            raise OSError("simulated crash: disk full")
+        real_save_file(tensors, file, metadata=metadata)
+        written.append(Path(file))
+
+    monkeypatch.setattr(checkpoint_io, "save_file", crash_after_first_shard)
+    with pytest.raises(OSError, match="simulated crash"):
+        _save_with(saver, new, directory, max_shard_bytes=SMALL_SHARDS)
+    _assert_same_weights(directory, old)
+    transformers.Qwen3_5ForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    assert len(written) == 1 and written[0].parent != directory  # the first shard went elsewhere
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf_final"]  # no .partial / .previous left
+
+    monkeypatch.undo()
+    _save_with(saver, new, directory)  # one file now: the old shards and index must not linger
+    _assert_same_weights(directory, new)
+    assert sorted(p.name for p in directory.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf_final"]
+
+
+def test_a_save_killed_between_its_renames_is_recovered(tiny_hf_checkpoint, tmp_path):
+    model = load_ours(tiny_hf_checkpoint[0])
+    directory = tmp_path / "out"
+    model.save_pretrained(directory)
+    # the state a kill between "rename old aside" and "rename new in" leaves, plus a stale .partial
+    directory.rename(tmp_path / "out.previous")
+    (tmp_path / "out.partial").mkdir()
+    (tmp_path / "out.partial" / "model.safetensors").write_bytes(b"junk")
+    with pytest.raises(FileNotFoundError, match=r"out\.previous holds the checkpoint of an interrupted save"):
+        load_ours(directory)
+    model.save_pretrained(directory)
+    _assert_same_weights(directory, model)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+@pytest.mark.parametrize("tie_word_embeddings", [False, True])
+def test_hf_loads_our_sharded_save(tmp_path, tie_word_embeddings):
+    hf = make_tiny_hf_model(tie_word_embeddings=tie_word_embeddings, seed=7)
+    hf.save_pretrained(tmp_path / "hf")
+    ours = load_ours(tmp_path / "hf")
+    ours.save_pretrained(tmp_path / "ours", max_shard_bytes=SMALL_SHARDS)
+    index = json.loads((tmp_path / "ours" / INDEX_FILE).read_text())
+    assert ("lm_head.weight" in index["weight_map"]) is not tie_word_embeddings
+    again = transformers.Qwen3_5ForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float32).eval()
+    if tie_word_embeddings:
+        assert again.lm_head.weight.data_ptr() == again.model.embed_tokens.weight.data_ptr()
+    input_ids = random_ids(1, 21, seed=8)
+    with torch.no_grad():
+        assert torch.equal(again(input_ids).logits, hf(input_ids).logits)
+
+
+@pytest.fixture
+def sharded_checkpoint(tiny_hf_checkpoint, tmp_path):
+    directory = tmp_path / "sharded"
+    load_ours(tiny_hf_checkpoint[0]).save_pretrained(directory, max_shard_bytes=SMALL_SHARDS)
+    weight_map = json.loads((directory / INDEX_FILE).read_text())["weight_map"]
+    return directory, weight_map
+
+
+def test_a_tensor_in_two_shards_is_refused_naming_both_files(sharded_checkpoint):
+    directory, weight_map = sharded_checkpoint
+    first, second = sorted(set(weight_map.values()))[:2]
+    stray = next(name for name, file in weight_map.items() if file == second)
+    tensors = load_file(str(directory / first))
+    tensors[stray] = load_file(str(directory / second))[stray]
+    save_file(tensors, str(directory / first), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"{re.escape(stray)} twice: in .*{first} and in .*{second}"):
+        load_ours(directory)
+
+
+def test_a_truncated_shard_is_named(sharded_checkpoint):
+    directory, weight_map = sharded_checkpoint
+    shard = directory / sorted(set(weight_map.values()))[1]
+    data = shard.read_bytes()
+    shard.write_bytes(data[:-100])
+    with pytest.raises(ValueError, match=rf"{re.escape(str(shard))} is not a readable safetensors file.*"
+                                         rf"has {len(data) - 100} bytes, but its header describes {len(data)}"):
+        load_ours(directory)
+    shard.write_bytes(data[:5])
+    with pytest.raises(ValueError, match=rf"{re.escape(str(shard))} .*expected at least 8"):
+        load_ours(directory)
+
+
+def test_an_index_naming_a_missing_shard_is_named(sharded_checkpoint):
+    directory, weight_map = sharded_checkpoint
+    missing = sorted(set(weight_map.values()))[-1]
+    (directory / missing).unlink()
+    with pytest.raises(FileNotFoundError, match=rf"{INDEX_FILE} names shard {missing} .*does not exist"):
+        load_ours(directory)
+
+
+def _run_benchmark(*args, **env):
+    return subprocess.run(
+        [sys.executable, "-m", "benchmarks.model_vs_hf", *args], cwd=REPO_ROOT, capture_output=True, text=True,
+        env={**os.environ, **env}, timeout=300,
+    )
+
+
+def test_benchmark_help_prints_usage():
+    result = _run_benchmark("--help")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: python -m benchmarks.model_vs_hf")
+
+
+def test_benchmark_without_cuda_says_so_in_one_line():
+    result = _run_benchmark('[{"size": "0.8B", "tokens": 64}]', CUDA_VISIBLE_DEVICES="")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "benchmarks.model_vs_hf: needs a CUDA GPU (torch.cuda.is_available() is False)"
+    ]
