@@ -23,6 +23,11 @@ from train.embedded_corpus import embedded_documents
 INPUT_SUFFIXES = (".txt", ".jsonl")
 TXT_SPLITS = ("file", "blank-line", "line")
 TOKENIZE_BATCH = 512
+# Files AutoTokenizer builds a vocabulary from. Without one it does not fail: a directory with
+# only config.json (a run's hf_final) gives a 1-token tokenizer, an empty one a misleading
+# sentencepiece/tiktoken error.
+VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
+                    "sentencepiece.bpe.model")
 
 
 class HFTokenizer:
@@ -35,15 +40,37 @@ class HFTokenizer:
             raise ImportError("--tokenizer with a directory needs transformers: pip install transformers") from error
         if not Path(path).is_dir():
             raise ValueError(f"--tokenizer={path!r} is not a directory (expected a local HF tokenizer or 'bytes')")
+        check_tokenizer_files(path)
         self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         self.name = str(Path(path).resolve())
         self.eos_id = self.tokenizer.eos_token_id
         if self.eos_id is None:
             raise ValueError(f"--tokenizer={path!r} defines no eos_token; documents need an end marker")
         self.vocab_size = len(self.tokenizer)
+        if self.vocab_size < 2:
+            raise ValueError(
+                f"--tokenizer={path!r} loads as a tokenizer with vocabulary size {self.vocab_size}; expected a real "
+                f"tokenizer (at least 2 tokens; Qwen3.5's has about 248k). Are its tokenizer files complete?"
+            )
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+
+def check_tokenizer_files(path: str) -> None:
+    """Refuse a directory without tokenizer files, before anything is written."""
+    directory = Path(path)
+    if any((directory / name).is_file() for name in VOCABULARY_FILES):
+        return
+    present = sorted(entry.name for entry in directory.iterdir())
+    holds = f"it holds {present[:8]}{' ...' if len(present) > 8 else ''}" if present else "it is empty"
+    hint = (" (config.json without tokenizer files: a model's weights, e.g. a run's hf_final; point --tokenizer "
+            "at the tokenizer of the checkpoint it started from)" if "config.json" in present else "")
+    raise ValueError(
+        f"--tokenizer={path!r}: directory {directory.resolve()} has no tokenizer files, {holds}{hint}; expected "
+        f"tokenizer.json and tokenizer_config.json as tokenizer.save_pretrained writes them, or another vocabulary "
+        f"file ({', '.join(VOCABULARY_FILES[1:])})"
+    )
 
 
 def load_tokenizer(spec: str):
@@ -103,6 +130,23 @@ def tokenize_documents(texts: Iterator[str], tokenizer) -> Iterator[list[int]]:
         yield from (ids + [tokenizer.eos_id] for ids in tokenizer.encode_batch(batch))
 
 
+def refuse_degenerate(documents: Iterator[list[int]], eos_id: int, tokenizer_spec: str) -> Iterator[list[int]]:
+    """Pass documents through; at the end, refuse a dataset of nothing but end-of-document tokens
+    (raised inside write_packed_dataset, which then removes its partial output)."""
+    num_documents = content_tokens = 0
+    for ids in documents:
+        num_documents += 1
+        content_tokens += sum(1 for token in ids if token != eos_id)
+        yield ids
+    if num_documents == 0:
+        raise ValueError("--input gave no documents (every file was empty); expected at least one non-empty text")
+    if content_tokens == 0:
+        raise ValueError(
+            f"--tokenizer={tokenizer_spec!r} turned all {num_documents} documents into no tokens (only the "
+            f"end-of-document token); expected text the tokenizer covers (are the inputs empty, or --text-key wrong?)"
+        )
+
+
 def build_embedded_dataset(output_dir: str | os.PathLike, num_documents: int, seed: int = 0) -> dict:
     """The default dataset: the synthetic corpus of train/embedded_corpus.py, byte-tokenized."""
     tokenizer = ByteTokenizer()
@@ -123,9 +167,8 @@ def main(argv: list[str] | None = None) -> int:
 
     tokenizer = load_tokenizer(args.tokenizer)
     texts = iter_texts(iter_input_files(args.input), args.text_key, args.txt_split)
-    meta = write_packed_dataset(
-        args.output, tokenize_documents(texts, tokenizer), tokenizer.vocab_size, tokenizer.eos_id, tokenizer.name
-    )
+    documents = refuse_degenerate(tokenize_documents(texts, tokenizer), tokenizer.eos_id, args.tokenizer)
+    meta = write_packed_dataset(args.output, documents, tokenizer.vocab_size, tokenizer.eos_id, tokenizer.name)
     print(
         f"wrote {args.output}: {meta['num_documents']} documents, {meta['num_tokens']} tokens "
         f"({meta['dtype']}), vocab {meta['vocab_size']}",

@@ -1,5 +1,6 @@
 """The packed data format, its micro-batches (cu_seqlens, determinism, sharding) and prepare_data."""
 import json
+import re
 
 import numpy as np
 import pytest
@@ -145,3 +146,40 @@ def test_prepare_data_with_a_local_hf_tokenizer(tmp_path):
     dataset = PackedDataset(tmp_path / "out")
     assert dataset.tokens.tolist() == [2, 3, 1, 3, 0, 1]
     assert dataset.meta["eos_id"] == 1 and dataset.vocab_size == 4
+
+
+def _word_level_tokenizer(directory, vocab):
+    tokenizers = pytest.importorskip("tokenizers")
+    transformers = pytest.importorskip("transformers")
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<eos>"))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>").save_pretrained(directory)
+    return directory
+
+
+@pytest.mark.parametrize("contents", ["config.json", "nothing"])
+def test_prepare_data_refuses_a_directory_without_tokenizer_files(tmp_path, contents):
+    tokenizer_dir = tmp_path / "hf_final"
+    tokenizer_dir.mkdir()
+    if contents == "config.json":  # what a run's HF export holds: weights, no tokenizer
+        (tokenizer_dir / "config.json").write_text(json.dumps({"model_type": "qwen3_5_text", "vocab_size": 256}))
+    (tmp_path / "in.jsonl").write_text(json.dumps({"text": "hello world"}) + "\n")
+    output = tmp_path / "out"
+    expected = (rf"--tokenizer='{re.escape(str(tokenizer_dir))}': directory .*hf_final has no tokenizer files"
+                r".*expected tokenizer\.json and tokenizer_config\.json")
+    with pytest.raises(ValueError, match=expected):
+        prepare_data_main(["--input", str(tmp_path / "in.jsonl"), "--tokenizer", str(tokenizer_dir), "--output", str(output)])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf_final", "in.jsonl"]  # nothing written
+
+
+def test_prepare_data_refuses_degenerate_results(tmp_path):
+    (tmp_path / "in.jsonl").write_text(json.dumps({"text": "hello"}) + "\n")
+    one_token = _word_level_tokenizer(tmp_path / "one", {"<eos>": 0})
+    with pytest.raises(ValueError, match=r"--tokenizer=.*vocabulary size 1; expected .*at least 2"):
+        prepare_data_main(["--input", str(tmp_path / "in.jsonl"), "--tokenizer", str(one_token), "--output", str(tmp_path / "o")])
+    # whitespace only: the tokenizer yields nothing but the end-of-document tokens
+    (tmp_path / "blank.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in ["  ", "\t"]) + "\n")
+    words = _word_level_tokenizer(tmp_path / "words", {"<eos>": 0, "hello": 1})
+    with pytest.raises(ValueError, match=r"turned all 2 documents into no tokens"):
+        prepare_data_main(["--input", str(tmp_path / "blank.jsonl"), "--tokenizer", str(words), "--output", str(tmp_path / "o")])
+    assert not (tmp_path / "o").exists() and not list(tmp_path.glob("o.partial-*"))
