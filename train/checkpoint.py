@@ -369,6 +369,15 @@ def load_checkpoint(engine, point: ResumePoint, tp_size: int) -> TrainerState:
     """Collective. Restores module, optimizer, lr schedule, this rank's RNG; returns the trainer state.
     A file that fails to load raises CheckpointError naming the checkpoint directory and the file."""
     tag_dir = point.checkpoints_dir / point.tag
+    if _distributed():
+        # ranks that looked for a resume point on their own must still load one and the same
+        chosen = [None] * dist.get_world_size()
+        dist.all_gather_object(chosen, str(tag_dir))
+        if len(set(chosen)) > 1:
+            raise CheckpointError(
+                f"{tag_dir}: the ranks chose different checkpoints to resume ({', '.join(sorted(set(chosen)))}); "
+                f"expected one for all (call find_resume_point after torch.distributed is up, or on a shared run_dir)"
+            )
     saved_tp = _tensor_parallel_size_of(tag_dir)
     if saved_tp is not None and saved_tp != tp_size:
         raise ConfigError(
