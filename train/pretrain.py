@@ -157,10 +157,11 @@ def preflight(cfg: DictConfig) -> ResumePoint | None:
     if cfg.train.resume is not None:
         try:
             resume_point = find_resume_point(str(cfg.train.resume), cfg.run_dir)
-        except ConfigError:
-            raise
-        except ValueError as error:
-            raise ConfigError(f"train.resume={cfg.train.resume!r}: {error}") from error
+        except ValueError as error:  # the checkpoint module's errors already start with the key
+            message = str(error)
+            if not message.startswith("train.resume"):
+                message = f"train.resume={cfg.train.resume!r}: {message}"
+            raise ConfigError(message) from error
     if cfg.run_dir is not None and cfg.train.resume is None and not cfg.train.overwrite:
         found = [name for name in RUN_MARKERS if (Path(str(cfg.run_dir)) / name).exists()]
         if found:
