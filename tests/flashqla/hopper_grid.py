@@ -1,6 +1,13 @@
 """What the Hopper kernel tests (tests/flashqla/test_hopper_*.py) share: the grid of head layouts and
-lengths, GPU inputs, the float64 forward and gradients they are measured against, and NaN
-poisoning of free memory."""
+lengths, GPU inputs, the float64 forward and gradients they are measured against, NaN poisoning of
+free memory, and (for test_hopper_hard_inputs.py) the hard-input generator with errors measured per
+(sequence, head). The hard-input helpers are pure torch and run on the CPU too."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -74,10 +81,26 @@ def float64_reference(inputs):
               output_final_state=True, cu_seqlens=args["cu_seqlens"])
 
 
+# (bytes, count) of the NaN blocks poison_allocator leaves free. The caching allocator serves requests
+# <= 1 MiB from a separate small pool (2 MiB segments), so small outputs (dbeta, dg, short-sequence o,
+# plan tensors) never land in a large block: both pools get blocks, and several sizes so that best-fit
+# requests of any size find one.
+SMALL_POOL_POISON = ((1 << 20, 32), (64 << 10, 64), (4 << 10, 256), (512, 1024))
+LARGE_POOL_POISON = ((128 << 20, 4), (16 << 20, 8), (2 << 20, 16))
+
+
 def poison_allocator():
-    """Fill the caching allocator's free blocks with NaN so that unwritten outputs show."""
+    """Fill the caching allocator's free memory with NaN, in both its pools, so that unwritten outputs show.
+
+    Cached free blocks are released first, so every free block afterwards is one of the NaN blocks made
+    here (or fresh memory for a request larger than all of them)."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
     free = torch.cuda.mem_get_info()[0]
-    junk = torch.empty(min(free // 4, 8 << 30) // 4, dtype=torch.float32, device="cuda").fill_(float("nan"))
+    sizes = [min(free // 4, 8 << 30)] + [size for size, count in LARGE_POOL_POISON + SMALL_POOL_POISON
+                                          for _ in range(count)]
+    junk = [torch.empty(size // 4, dtype=torch.float32, device="cuda").fill_(float("nan")) for size in sizes]
+    torch.cuda.synchronize()
     del junk
 
 
@@ -98,3 +121,235 @@ def assert_close_to_reference(ours, ref):
     """Every gradient of `ours` within TOLERANCE (relative L2) of `ref`, in GRAD_NAMES order."""
     errors = {name: relative_error(x, r) for name, x, r in zip(GRAD_NAMES, ours, ref)}
     assert all(err <= TOLERANCE for err in errors.values()), errors
+
+
+# ---------------------------------------------------------------------------------------------------
+# Hard inputs (tests/flashqla/test_hopper_hard_inputs.py): beta over all of (0, 1), correlated keys,
+# heads without decay, weakly decaying and with rare strong spikes, unnormalised q/k, ragged varlen.
+# Outputs and gradients are compared as a whole and per (sequence, head).
+
+# Per value head h, by h % 4: no decay; weak decay; no decay but g = -12 at ~1 % of the tokens (long
+# memory, then a reset); the anchors' logsigmoid(randn) / 16.
+DECAY_PROFILES = ("none", "weak", "spikes", "anchors")
+WEAK_DECAY = -1e-3
+SPIKE_DECAY, SPIKE_RATE = -12.0, 0.01
+BETA_EDGE = 1e-3        # beta ~ U(BETA_EDGE, 1 - BETA_EDGE), and EDGE_FRACTION of it pinned at each end
+EDGE_FRACTION = 0.02
+KEY_NOISE = 0.3         # correlated keys: k = normalize(c + KEY_NOISE * unit noise), one unit c per qk head
+QK_SCALE_RANGE = (0.1, 10.0)  # unnormalised q, k: unit direction times a log-uniform norm per token and head
+
+OUTPUT_NAMES = ("o", "final_state") + GRAD_NAMES
+STATE_OUTPUTS = ("final_state", "dh0")  # [N, H, K, V]; the others are token-major [1, T, H, ...]
+GRAD_OF = {"q": "dq", "k": "dk", "v": "dv", "g": "dg", "beta": "dbeta", "initial_state": "dh0"}
+# (over the whole tensor, worst (sequence, head)) relative L2 bounds. The final state's per-slice bound
+# is twice its tensor bound, as for every other output.
+BOUNDS = {"o": (1e-2, 2e-2), "final_state": (5e-3, 1e-2), **{name: (1e-2, 2e-2) for name in GRAD_NAMES}}
+# A (sequence, head) slice's error is relative to its own reference norm, but never to less than
+# SLICE_FLOOR x the norm it would have at the tensor's RMS entry. Why: slices of a 1-token sequence, the
+# exactly-zero final state of an empty sequence without h0, a head decayed to nothing have references
+# near 0, where ||x - ref|| / ||ref|| divides rounding noise by ~0 (or is 0/0) and means nothing; the
+# kernel's absolute error there is set by the magnitudes it combines, which are the tensor's. So large
+# slices are graded on their own scale and small ones against 10 % of the tensor's typical scale. A
+# zeroed or garbage slice still fails once its reference exceeds SLICE_FLOOR * 2e-2 = 0.2 % of typical.
+SLICE_FLOOR = 0.1
+# Ours may be at most FLA_RATIO x FLA's error, errors below one rounding of the exact answer to the
+# inputs' dtype counted as that rounding: both libraries take bf16 inputs and bf16 tensor-core
+# operands, so differences under that level rank nothing.
+FLA_RATIO = 1.5
+
+
+@dataclass(frozen=True)
+class HardCase:
+    name: str
+    heads: tuple[int, int]            # (Hqk, Hv)
+    seq_lens: tuple[int, ...]
+    with_initial_state: bool
+    correlated_keys: bool = False
+    unnormalised_qk: bool = False     # q, k at random norms, normalised by the op (use_qk_l2norm_in_kernel)
+    dtype: torch.dtype = torch.bfloat16
+    seed: int = 0
+
+
+def make_hard_inputs(case: HardCase, device="cuda", head_dim: int = 128):
+    """(inputs, do, dht) for `case`: the op's keyword arguments (q, k, v in case.dtype; float32 g, beta,
+    h0; int32 cu_seqlens; use_qk_l2norm_in_kernel), and random cotangents of o (case.dtype) and of the
+    final state (float32)."""
+    gen = torch.Generator(device=device).manual_seed(case.seed)
+    num_qk_heads, num_v_heads = case.heads
+    total, num_seqs = sum(case.seq_lens), len(case.seq_lens)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32)
+
+    def rand(*shape):
+        return torch.rand(*shape, generator=gen, device=device, dtype=torch.float32)
+
+    def unit(*shape):
+        return F.normalize(randn(*shape), dim=-1)
+
+    q = unit(1, total, num_qk_heads, head_dim)
+    if case.correlated_keys:
+        common = unit(1, 1, num_qk_heads, head_dim)
+        k = F.normalize(common + KEY_NOISE * unit(1, total, num_qk_heads, head_dim), dim=-1)
+    else:
+        k = unit(1, total, num_qk_heads, head_dim)
+    if case.unnormalised_qk:
+        low, high = map(math.log, QK_SCALE_RANGE)
+        q = q * (low + (high - low) * rand(1, total, num_qk_heads, 1)).exp()
+        k = k * (low + (high - low) * rand(1, total, num_qk_heads, 1)).exp()
+    v = randn(1, total, num_v_heads, head_dim)
+
+    profile = torch.arange(num_v_heads, device=device) % len(DECAY_PROFILES)
+    anchors = F.logsigmoid(randn(1, total, num_v_heads)) / 16
+    spikes = torch.where(rand(1, total, num_v_heads) < SPIKE_RATE, SPIKE_DECAY, 0.0)
+    g = torch.where(profile == DECAY_PROFILES.index("weak"), WEAK_DECAY, torch.zeros_like(anchors))
+    g = torch.where(profile == DECAY_PROFILES.index("spikes"), spikes, g)
+    g = torch.where(profile == DECAY_PROFILES.index("anchors"), anchors, g)
+
+    beta = BETA_EDGE + (1 - 2 * BETA_EDGE) * rand(1, total, num_v_heads)
+    edge = rand(1, total, num_v_heads)
+    beta = torch.where(edge < EDGE_FRACTION, BETA_EDGE, beta)
+    beta = torch.where(edge > 1 - EDGE_FRACTION, 1 - BETA_EDGE, beta)
+
+    h0 = randn(num_seqs, num_v_heads, head_dim, head_dim) if case.with_initial_state else None
+    cu_seqlens = torch.tensor([0, *case.seq_lens], device=device).cumsum(0).to(torch.int32)
+    inputs = dict(q=q.to(case.dtype), k=k.to(case.dtype), v=v.to(case.dtype), g=g, beta=beta, initial_state=h0,
+                  cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=case.unnormalised_qk)
+    do = randn(1, total, num_v_heads, head_dim).to(case.dtype)
+    dht = randn(num_seqs, num_v_heads, head_dim, head_dim)
+    return inputs, do, dht
+
+
+def op_outputs(op, inputs, do, dht, dtype=None, before_kernels=None) -> dict:
+    """{o, final_state, dq, dk, dv, dg, dbeta[, dh0]} of `op` (the public op's signature) on `inputs`:
+    the gradients of <o, do> + <final_state, dht> by autograd, w.r.t. the inputs cast to `dtype` (all
+    floating inputs when given, e.g. float64 for the reference). `before_kernels` runs before the forward
+    and again before the backward (NaN poisoning)."""
+    differentiable = [n for n in GRAD_OF if inputs[n] is not None]
+    leaves = {n: (inputs[n] if dtype is None else inputs[n].to(dtype)).detach().clone().requires_grad_()
+              for n in differentiable}
+    if before_kernels is not None:
+        before_kernels()
+    o, final_state = op(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"],
+                        initial_state=leaves.get("initial_state"), output_final_state=True,
+                        use_qk_l2norm_in_kernel=inputs["use_qk_l2norm_in_kernel"], cu_seqlens=inputs["cu_seqlens"])
+    if before_kernels is not None:
+        before_kernels()
+    grads = torch.autograd.grad((o, final_state), list(leaves.values()),
+                                grad_outputs=(do.to(o.dtype), dht.to(final_state.dtype)))
+    return {"o": o.detach(), "final_state": final_state.detach(),
+            **{GRAD_OF[n]: grad for n, grad in zip(differentiable, grads)}}
+
+
+class SliceErrors(NamedTuple):
+    errors: torch.Tensor    # [N, H] float64 relative L2 per (sequence, head); NaN for an empty slice
+    worst: float            # the largest of them (inf where a slice holds NaN/Inf)
+    worst_index: tuple[int, int] | None
+
+
+def _slice_sums(x: torch.Tensor, seq_lens) -> torch.Tensor:
+    """Sums of x per (sequence, head): [N, H]. Token-major [1, T, H, ...] with seq_lens, or [N, H, ...]."""
+    if seq_lens is None:
+        return x.reshape(x.shape[0], x.shape[1], -1).sum(-1)
+    per_token = x.reshape(x.shape[1], x.shape[2], -1).sum(-1)
+    lengths = torch.tensor(list(seq_lens), device=x.device)
+    sequence = torch.repeat_interleave(torch.arange(len(lengths), device=x.device), lengths)
+    return per_token.new_zeros(len(lengths), per_token.shape[1]).index_add_(0, sequence, per_token)
+
+
+def sequence_head_errors(x: torch.Tensor, ref: torch.Tensor, seq_lens=None, floor: float = SLICE_FLOOR) -> SliceErrors:
+    """Relative L2 error of x against ref per (sequence, head), with the floor of SLICE_FLOOR's comment.
+
+    x, ref: token-major `[1, T, H, ...]` with seq_lens (the sequences' lengths, summing to T), or
+    per-sequence states `[N, H, ...]` without."""
+    x, ref = x.detach().double(), ref.detach().double().to(x.device)
+    if x.shape != ref.shape:
+        raise ValueError(f"x has shape {tuple(x.shape)} but ref has {tuple(ref.shape)}")
+    finite = torch.isfinite(x)
+    error2 = _slice_sums(torch.where(finite, x - ref, 0.0).square(), seq_lens)
+    ref2 = _slice_sums(ref.square(), seq_lens)
+    count = _slice_sums(torch.ones_like(ref), seq_lens)
+    non_finite = _slice_sums((~finite).double(), seq_lens)
+    mean_square = ref2.sum() / count.sum().clamp_min(1)
+    denominator = torch.maximum(ref2.sqrt(), floor * (mean_square * count).sqrt()).clamp_min(1e-300)
+    errors = error2.sqrt() / denominator
+    errors = torch.where(non_finite > 0, math.inf, errors)
+    errors = torch.where(count == 0, math.nan, errors)
+    if (count == 0).all():
+        return SliceErrors(errors.cpu(), 0.0, None)
+    flat = torch.where(errors.isnan(), -1.0, errors)
+    index = int(flat.argmax())
+    worst_index = divmod(index, errors.shape[1])
+    return SliceErrors(errors.cpu(), float(flat.flatten()[index]), worst_index)
+
+
+class OutputError(NamedTuple):
+    tensor: float           # relative L2 over the whole tensor (inf with NaN/Inf)
+    slices: SliceErrors
+    finite: bool
+    rounding: float         # relative L2 of the reference itself rounded to the inputs' dtype
+
+
+def compare_outputs(ours: dict, ref: dict, seq_lens, dtype=torch.bfloat16) -> dict:
+    """{name: OutputError} for every output of `ref`; `ours` must have the same names."""
+    if set(ours) != set(ref):
+        raise ValueError(f"outputs differ: ours has {sorted(ours)}, the reference {sorted(ref)}")
+    return {name: OutputError(relative_error(ours[name], ref[name]),
+                              sequence_head_errors(ours[name], ref[name], None if name in STATE_OUTPUTS else seq_lens),
+                              bool(torch.isfinite(ours[name]).all()),
+                              relative_error(ref[name].to(dtype), ref[name]))
+            for name in OUTPUT_NAMES if name in ref}
+
+
+def bound_failures(errors: dict) -> list[str]:
+    """What breaks BOUNDS or holds NaN/Inf, one line each (empty when all is within budget)."""
+    failures = []
+    for name, err in errors.items():
+        tensor_bound, slice_bound = BOUNDS[name]
+        if not err.finite:
+            failures.append(f"{name}: NaN/Inf")
+            continue
+        if not err.tensor <= tensor_bound:
+            failures.append(f"{name}: relative L2 {err.tensor:.3e} > {tensor_bound:g} over the tensor")
+        if not err.slices.worst <= slice_bound:
+            failures.append(f"{name}: relative L2 {err.slices.worst:.3e} > {slice_bound:g} at (sequence, head) "
+                            f"{err.slices.worst_index}")
+    return failures
+
+
+def fla_failures(ours: dict, fla: dict, ratio: float = FLA_RATIO) -> list[str]:
+    """Where ours is more than `ratio` x FLA's error (whole tensor, and worst slice against worst slice),
+    FLA's error taken as at least the rounding of the reference to the inputs' dtype."""
+    failures = []
+    for name, err in ours.items():
+        if name not in fla:
+            continue
+        for what, mine, theirs in (("tensor", err.tensor, fla[name].tensor),
+                                   ("worst (sequence, head)", err.slices.worst, fla[name].slices.worst)):
+            if not mine <= ratio * max(theirs, err.rounding):
+                failures.append(f"{name}: {what} error {mine:.3e} > {ratio:g} x FLA's {theirs:.3e} "
+                                f"(floor {err.rounding:.1e})")
+    return failures
+
+
+def differing_outputs(first: dict, second: dict) -> list[str]:
+    """Names of the outputs that are not bitwise equal between two runs."""
+    return [name for name in first if not torch.equal(first[name], second[name])]
+
+
+def error_table(title: str, errors: dict, fla: dict | None = None) -> str:
+    """A compact table: per output the whole-tensor and the worst (sequence, head) error and its index,
+    the bounds, and FLA's errors beside them when given."""
+    head = f"{'output':<12}{'tensor':>10}{'worst':>10}  {'(seq, head)':<12}{'bounds':>14}"
+    if fla is not None:
+        head += f"  |{'fla tensor':>11}{'fla worst':>10}  (seq, head)"
+    lines = [title, head]
+    for name, err in errors.items():
+        index = "-" if err.slices.worst_index is None else str(err.slices.worst_index)
+        line = (f"{name:<12}{err.tensor:>10.2e}{err.slices.worst:>10.2e}  {index:<12}"
+                f"{'%g / %g' % BOUNDS[name]:>14}")
+        if fla is not None and name in fla:
+            theirs = fla[name]
+            line += f"  |{theirs.tensor:>11.2e}{theirs.slices.worst:>10.2e}  {theirs.slices.worst_index}"
+        lines.append(line)
+    return "\n".join(lines)

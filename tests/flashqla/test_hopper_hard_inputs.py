@@ -1,0 +1,271 @@
+"""Hard inputs for the TileLang op, called only through the public op (`flashqla.chunk_gated_delta_rule`
+with backend="tilelang", and backend="fla" for the baseline), so that the tests outlive changes inside
+flashqla/hopper.
+
+The inputs (tests/flashqla/hopper_grid.py, `make_hard_inputs`): beta over all of (0, 1) with both ends
+pinned; keys sharing one component per head (an ill-conditioned inverse); per head no decay, weak decay,
+rare g = -12 spikes, or the anchors' decay; unnormalised q/k normalised by the op; ragged varlen with
+empty and 1-token sequences and partial chunks; with and without h0; Hv = Hqk, 2 Hqk, 4 Hqk; bf16 and
+one float16 case.
+
+GPU (marked gpu, SM90): o, the final state and dq, dk, dv, dg, dbeta, dh0 (autograd) against float64
+autograd of the chunked reference, over the tensor and per (sequence, head), with both allocator pools
+NaN-poisoned before the forward and before the backward; bitwise determinism; no worse than FLA.
+`pytest -s` prints a table per case. CPU: the generator and the error helpers on the torch backend
+(float32 against float64, the chunked reference against the token recurrence), and checks that fail
+on a sabotaged op.
+"""
+import functools
+import importlib.util
+
+import pytest
+import torch
+
+import flashqla
+from flashqla import reference
+from flashqla.testing import relative_error
+from hopper_grid import (BETA_EDGE, BOUNDS, DECAY_PROFILES, QK_SCALE_RANGE, SPIKE_DECAY, WEAK_DECAY, HardCase,
+                         bound_failures, compare_outputs, differing_outputs, error_table, fla_failures,
+                         make_hard_inputs, on_hopper, op_outputs, poison_allocator, sequence_head_errors)
+
+# A 1-token sequence first, empty ones in the middle and last, exact and partial chunks.
+RAGGED_HARD = (1, 1500, 0, 64, 2047, 129, 63, 700, 0)
+CASES = [
+    HardCase("wide_beta_4x_ragged_h0", (4, 16), RAGGED_HARD, True, seed=1),
+    HardCase("correlated_4x_ragged_h0", (4, 16), RAGGED_HARD, True, correlated_keys=True, seed=2),
+    HardCase("correlated_unnormalised_4x_8192_h0", (4, 16), (8192,), True, correlated_keys=True,
+             unnormalised_qk=True, seed=3),
+    HardCase("correlated_2x_ragged_no_h0", (16, 32), RAGGED_HARD, False, correlated_keys=True, seed=4),
+    HardCase("unnormalised_2x_long_ragged_h0", (16, 32), (5000, 1, 0, 3191), True, unnormalised_qk=True, seed=5),
+    HardCase("correlated_unnormalised_1x_ragged_h0", (16, 16), RAGGED_HARD, True, correlated_keys=True,
+             unnormalised_qk=True, seed=6),
+    HardCase("correlated_1x_8192_no_h0", (16, 16), (8192,), False, correlated_keys=True, seed=7),
+    # float16 at the layout and lengths tools/precompile_kernels.py builds float16 kernels for
+    HardCase("fp16_correlated_unnormalised_4x_h0", (4, 16), (777, 1536), True, correlated_keys=True,
+             unnormalised_qk=True, dtype=torch.float16, seed=8),
+]
+CASE_IDS = [case.name for case in CASES]
+DETERMINISM_CASES = [CASES[1], CASES[2], CASES[3]]  # ragged with h0, one long sequence (split), no h0
+# FLA compiles and autotunes its Triton kernels per head layout and h0 variant, ~2 min each on a cold
+# cache (docs/performance.md): it runs on one layout, where three of the cases are.
+FLA_LAYOUT = (4, 16)
+FLA_INSTALLED = importlib.util.find_spec("fla") is not None
+
+tilelang_op = functools.partial(flashqla.chunk_gated_delta_rule, backend="tilelang")
+fla_op = functools.partial(flashqla.chunk_gated_delta_rule, backend="fla")
+needs_hopper = pytest.mark.skipif(not on_hopper, reason="needs an SM90 (Hopper) GPU")
+
+
+def describe(case: HardCase) -> str:
+    return (f"{case.name}: Hqk/Hv {case.heads[0]}/{case.heads[1]}, {str(case.dtype).removeprefix('torch.')}, "
+            f"{'h0' if case.with_initial_state else 'no h0'}, lengths {list(case.seq_lens)}")
+
+
+def float64_outputs(inputs, do, dht) -> dict:
+    return op_outputs(reference.chunk_gated_delta_rule_torch, inputs, do, dht, dtype=torch.float64)
+
+
+def tilelang_outputs(inputs, do, dht) -> dict:
+    outputs = op_outputs(tilelang_op, inputs, do, dht, before_kernels=poison_allocator)
+    torch.cuda.synchronize()
+    return outputs
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_hard_inputs_match_float64(case):
+    inputs, do, dht = make_hard_inputs(case)
+    ours = tilelang_outputs(inputs, do, dht)
+    assert ours["o"].dtype == case.dtype and ours["final_state"].dtype == torch.float32
+    assert ("dh0" in ours) == case.with_initial_state
+    errors = compare_outputs(ours, float64_outputs(inputs, do, dht), case.seq_lens, case.dtype)
+    table = error_table(describe(case), errors)
+    print("\n" + table)
+    failures = bound_failures(errors)
+    assert not failures, "\n".join(failures + [table])
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("case", DETERMINISM_CASES, ids=[case.name for case in DETERMINISM_CASES])
+def test_hard_inputs_bitwise_deterministic(case):
+    inputs, do, dht = make_hard_inputs(case)
+    first = tilelang_outputs(inputs, do, dht)
+    second = tilelang_outputs(inputs, do, dht)
+    assert not differing_outputs(first, second)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_hard_inputs_no_worse_than_fla(case):
+    if not FLA_INSTALLED:
+        pytest.skip("fla-core is not installed: no FLA comparison (pip install 'flashqla-hybrid[baseline]')")
+    if case.dtype != torch.bfloat16:
+        pytest.skip("the FLA comparison is on bf16 inputs")
+    if case.heads != FLA_LAYOUT or not case.with_initial_state:
+        pytest.skip(f"FLA runs on {FLA_LAYOUT[0]}/{FLA_LAYOUT[1]} heads with h0 only "
+                    "(~2 min of Triton compile and autotune per further layout or h0 variant)")
+    inputs, do, dht = make_hard_inputs(case)
+    ref = float64_outputs(inputs, do, dht)
+    ours = compare_outputs(tilelang_outputs(inputs, do, dht), ref, case.seq_lens, case.dtype)
+    try:
+        fla_result = op_outputs(fla_op, inputs, do, dht)
+    except Exception as error:  # FLA's limits are not ours: report them, compare nothing
+        pytest.skip(f"FLA failed on these inputs: {error!r:.300}")
+    fla = compare_outputs(fla_result, ref, case.seq_lens, case.dtype)
+    table = error_table(describe(case) + " (ours | FLA)", ours, fla)
+    print("\n" + table)
+    failures = fla_failures(ours, fla)
+    assert not failures, "\n".join(failures + [table])
+
+
+# --- CPU: the generator and the checks themselves --------------------------------------------------
+
+def test_hard_inputs_have_the_promised_properties():
+    case = HardCase("properties", (2, 8), (4000, 0, 1, 95), True, correlated_keys=True, unnormalised_qk=True)
+    inputs, do, dht = make_hard_inputs(case, device="cpu", head_dim=32)
+    assert inputs["cu_seqlens"].tolist() == [0, 4000, 4000, 4001, 4096]
+    assert inputs["initial_state"].shape == dht.shape == (4, 8, 32, 32) and do.shape == inputs["v"].shape
+
+    beta = inputs["beta"]
+    assert beta.min() == torch.tensor(BETA_EDGE) and beta.max() == torch.tensor(1 - BETA_EDGE)
+    for low, high in ((0.0, 0.05), (0.05, 0.5), (0.5, 0.95), (0.95, 1.0)):  # all of (0, 1), both ends
+        assert ((beta > low) & (beta < high)).float().mean() > 0.8 * (high - low)
+
+    g = inputs["g"][0]
+    for head in range(g.shape[1]):
+        decay = g[:, head]
+        profile = DECAY_PROFILES[head % len(DECAY_PROFILES)]
+        if profile == "none":
+            assert (decay == 0).all()
+        elif profile == "weak":
+            assert (decay == torch.tensor(WEAK_DECAY)).all()
+        elif profile == "spikes":
+            assert set(decay.unique().tolist()) == {SPIKE_DECAY, 0.0}
+            assert 0.004 < (decay == SPIKE_DECAY).float().mean() < 0.02
+        else:
+            assert (decay < 0).all() and (decay > -3).all()
+
+    for name in ("q", "k"):
+        norms = inputs[name].float().norm(dim=-1)
+        assert norms.min() >= 0.99 * QK_SCALE_RANGE[0] and norms.max() <= 1.01 * QK_SCALE_RANGE[1]
+        assert norms.min() < 0.15 and norms.max() > 7
+    keys = torch.nn.functional.normalize(inputs["k"][0].float(), dim=-1)  # [T, Hqk, K]
+    for head in range(keys.shape[1]):
+        cosines = keys[:500, head] @ keys[:500, head].T
+        assert cosines.mean() > 0.85  # shared component: nearly collinear keys
+    assert inputs["use_qk_l2norm_in_kernel"]
+
+
+TINY_CASES = [
+    HardCase("tiny_4x_h0_correlated_unnormalised", (2, 8), (70, 0, 1, 64, 5), True, correlated_keys=True,
+             unnormalised_qk=True, dtype=torch.float32, seed=3),
+    HardCase("tiny_1x_no_h0", (4, 4), (0, 129, 1, 63), False, dtype=torch.float32, seed=4),
+]
+
+
+@pytest.mark.parametrize("case", TINY_CASES, ids=[case.name for case in TINY_CASES])
+def test_torch_backend_float32_matches_float64_on_hard_inputs(case):
+    """The checks of the GPU test, on the torch backend in float32; and the float64 chunked reference
+    the GPU tests measure against equals the float64 token recurrence on these inputs."""
+    inputs, do, dht = make_hard_inputs(case, device="cpu", head_dim=16)
+    ref = float64_outputs(inputs, do, dht)
+    token = op_outputs(reference.recurrent_gated_delta_rule, inputs, do, dht, dtype=torch.float64)
+    for name in ref:
+        assert relative_error(ref[name], token[name]) <= 1e-10, name
+
+    torch_op = functools.partial(flashqla.chunk_gated_delta_rule, backend="torch")
+    errors = compare_outputs(op_outputs(torch_op, inputs, do, dht), ref, case.seq_lens, case.dtype)
+    print("\n" + error_table(describe(case), errors))
+    assert not bound_failures(errors)
+    assert max(err.slices.worst for err in errors.values()) < 1e-4  # float32: far inside the bounds
+    for name in ("o", "dv", "dg", "dbeta"):  # an empty sequence has no slice to grade
+        empty = [n for n, length in enumerate(case.seq_lens) if length == 0]
+        assert errors[name].slices.errors[empty].isnan().all(), name
+
+
+def test_checks_catch_a_sabotaged_sequence_head():
+    """Two heads of a 1-token sequence's o zeroed, and dv 3 % off for one head of a 20-token sequence:
+    each within the whole-tensor bound, each caught per (sequence, head). (The float64 token recurrence,
+    so that the only error is the sabotage; the CPU's batched triangular solves make the chunked form slow.)"""
+    case = HardCase("sabotage", (2, 8), (150, 0, 1, 20), False, dtype=torch.float64)
+    inputs, do, dht = make_hard_inputs(case, device="cpu", head_dim=16)
+    cu = inputs["cu_seqlens"].tolist()
+    torch_op = reference.recurrent_gated_delta_rule
+    ref = op_outputs(torch_op, inputs, do, dht)
+
+    def zeroing_op(q, k, v, g, beta, **kwargs):
+        o, final_state = torch_op(q, k, v, g, beta, **kwargs)
+        mask = torch.ones_like(o)
+        mask[0, cu[2]:cu[3], [2, 6]] = 0  # sequence 2 (1 token), value heads 2 and 6
+        return o * mask, final_state
+
+    errors = compare_outputs(op_outputs(zeroing_op, inputs, do, dht), ref, case.seq_lens)
+    print("\n" + error_table("o zeroed at (sequence 2, heads 2 and 6)", errors))
+    assert errors["o"].tensor <= BOUNDS["o"][0]  # the whole tensor misses it
+    slices = errors["o"].slices
+    assert slices.worst_index == (2, 6) and slices.worst == pytest.approx(1.0)
+    # head 2's reference is below the floor (3 % of typical): graded on the tensor's scale, still caught
+    assert BOUNDS["o"][1] < slices.errors[2, 2] < 1
+    assert any(line.startswith("o:") and "(2, 6)" in line for line in bound_failures(errors))
+
+    def dv_off_op(q, k, v, g, beta, **kwargs):
+        v = v * 1
+        scale = torch.ones_like(v)
+        scale[0, cu[3]:cu[4], 6] = 0.97  # sequence 3 (20 tokens), value head 6
+        v.register_hook(lambda grad: grad * scale)
+        return torch_op(q, k, v, g, beta, **kwargs)
+
+    errors = compare_outputs(op_outputs(dv_off_op, inputs, do, dht), ref, case.seq_lens)
+    print(error_table("dv 3 % off at (sequence 3, head 6)", errors))
+    assert errors["dv"].tensor <= BOUNDS["dv"][0]
+    assert errors["dv"].slices.worst_index == (3, 6) and errors["dv"].slices.worst == pytest.approx(0.03)
+    assert [line.split(":")[0] for line in bound_failures(errors)] == ["dv"]
+
+
+def test_slice_floor_grades_near_zero_references_on_the_tensor_scale():
+    gen = torch.Generator().manual_seed(0)
+    ref = torch.randn(3, 2, 4, 4, generator=gen, dtype=torch.float64)
+    ref[1] = 0  # an empty sequence's final state without h0
+    assert sequence_head_errors(ref.clone(), ref).worst == 0
+    x = ref.clone()
+    x[1, 0, 0, 0] = 1e-9  # rounding-sized: a plain relative error would be 1e-9 / 0
+    errors = sequence_head_errors(x, ref)
+    assert errors.worst < 1e-7 and errors.worst_index == (1, 0)
+    x[1, 1] = torch.randn(4, 4, generator=gen, dtype=torch.float64)  # garbage where 0 was due
+    errors = sequence_head_errors(x, ref)
+    assert errors.worst > 1 and errors.worst_index == (1, 1)
+    x[2, 0, 1, 1] = float("nan")
+    assert sequence_head_errors(x, ref).worst == float("inf")
+
+    tokens = torch.randn(1, 7, 2, 3, generator=gen, dtype=torch.float64)  # lengths 3, 0, 4
+    errors = sequence_head_errors(tokens * 1.01, tokens, seq_lens=(3, 0, 4))
+    assert errors.errors[1].isnan().all() and errors.worst == pytest.approx(0.01)
+
+
+def test_fla_ratio_and_determinism_checks_fail_when_they_should():
+    gen = torch.Generator().manual_seed(0)
+    ref = {"o": torch.randn(1, 64, 2, 8, generator=gen, dtype=torch.float64)}
+
+    def off_by(relative):
+        return {"o": ref["o"] + relative * torch.randn(ref["o"].shape, generator=gen, dtype=torch.float64)}
+
+    lens = (40, 24)
+    worse = compare_outputs(off_by(8e-3), ref, lens)
+    fla = compare_outputs(off_by(4e-3), ref, lens)
+    assert [line.split(":")[0] for line in fla_failures(worse, fla)] == ["o", "o"]  # tensor and worst slice
+    assert not fla_failures(fla, worse)
+    # both below one bf16 rounding of the answer (~1.7e-3): not a ranking
+    assert not fla_failures(compare_outputs(off_by(1e-3), ref, lens), compare_outputs(off_by(1e-4), ref, lens))
+
+    nan = off_by(0.0)
+    nan["o"][0, 3, 1, 2] = float("nan")
+    assert bound_failures(compare_outputs(nan, ref, lens)) == ["o: NaN/Inf"]
+
+    first = off_by(0.0)
+    second = {"o": first["o"].clone()}
+    assert not differing_outputs(first, second)
+    second["o"][0, 0, 0, 0] = torch.nextafter(second["o"][0, 0, 0, 0], torch.tensor(float("inf"), dtype=torch.float64))
+    assert differing_outputs(first, second) == ["o"]
