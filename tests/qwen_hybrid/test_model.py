@@ -1,6 +1,10 @@
 """The hybrid model on its own: packed sequences, config errors, the chunked loss, checkpointing."""
 from __future__ import annotations
 
+import functools
+import itertools
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -220,33 +224,153 @@ def test_layers_expose_head_counts():
     assert (attention.num_heads, attention.num_kv_heads) == (4, 2)
 
 
+PACK_LENGTHS = (700, 1, 300)  # a one-token document between two long ones
+# (logits of each document, loss, every gradient) against the float64 model on each document
+# alone. float64: the norms and gates still compute in float32, measured up to 3.3e-8 (logits) and
+# 1.2e-7 (gradients); float32: 1.1e-6 and 2.5e-6. bf16 on an H200, tilelang and fla: 2.3e-2
+# (logits), 9.4e-5 (loss), 5.0e-2 (gradients); an op ignoring cu_seqlens or zeroing the
+# one-token document moves that document's logits by 1.06 and 0.92.
+CPU_TOLERANCES = {torch.float64: (1e-6, 1e-6, 1e-5), torch.float32: (1e-5, 1e-5, 2e-5)}
+BF16_TOLERANCES = (6e-2, 1e-3, 1e-1)
+
+
+def leaky_model(backend: str = "torch") -> QwenHybridForCausalLM:
+    """The tiny model with 128-wide heads (the GPU kernels' shape), weights ~N(0, 0.08^2) and slow
+    GDN decay (exp(A_log) = 0.01): the state lasts hundreds of tokens and dominates the block's
+    output, so a document that sees its predecessor's state, or a one-token document whose GDN
+    output is dropped, moves its logits by O(1). (With HF's init the state decays within a few
+    tokens: an op ignoring cu_seqlens moved the logits by 2.3e-5.) Same weights for every backend."""
+    config = QwenHybridConfig.named(
+        "tiny", linear_key_head_dim=128, linear_value_head_dim=128, head_dim=128, gdn_backend=backend
+    )
+    torch.manual_seed(0)
+    model = QwenHybridForCausalLM(config)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("A_log"):
+                param.fill_(math.log(0.01))
+            elif param.dim() == 1:
+                offset = 1.0 if name.endswith("linear_attn.norm.weight") else 0.0
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.1 + offset)
+            else:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.08)
+    return model
+
+
+def _pack() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 512, (1, sum(PACK_LENGTHS)), generator=generator)
+    cu_seqlens = torch.tensor([0, *itertools.accumulate(PACK_LENGTHS)], dtype=torch.int32)
+    probe = torch.randn(1, ids.shape[1], 512, generator=generator, dtype=torch.float64) * 0.05
+    return ids, cu_seqlens, probe
+
+
+def _logits_loss_and_gradients(model, ids, cu_seqlens, probe):
+    """Logits, the summed token loss and the gradients of it + <probe, logits>, in float64 on the
+    CPU (the probe reaches the one-token document, whose token predicts nothing)."""
+    device = next(model.parameters()).device
+    out = model(ids.to(device), cu_seqlens=None if cu_seqlens is None else cu_seqlens.to(device),
+                labels=ids.to(device), return_logits=True)
+    num_targets = ids.shape[1] - (1 if cu_seqlens is None else len(cu_seqlens) - 1)
+    loss_sum = out.loss.double() * num_targets
+    model.zero_grad(set_to_none=True)
+    (loss_sum + (out.logits.double() * probe.to(device)).sum()).backward()
+    grads = {name: param.grad.detach().double().cpu() for name, param in model.named_parameters()}
+    return out.logits.detach().double().cpu(), loss_sum.detach().cpu(), grads
+
+
+@functools.lru_cache(maxsize=1)
+def _float64_documents_alone():
+    """The float64 torch model run on each document of the pack alone: logits, loss sum, gradients."""
+    model = leaky_model().double()
+    ids, cu_seqlens, probe = _pack()
+    logits, loss_sum, grads = [], 0.0, {}
+    for start, end in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()):
+        doc_logits, doc_loss, doc_grads = _logits_loss_and_gradients(model, ids[:, start:end], None, probe[:, start:end])
+        logits.append(doc_logits)
+        loss_sum = loss_sum + doc_loss
+        for name, grad in doc_grads.items():
+            grads[name] = grads[name] + grad if name in grads else grad
+    return torch.cat(logits, dim=1), loss_sum, grads
+
+
+def _packed_errors(model) -> dict[str, float]:
+    """Relative error of `model` run on the pack to the float64 model on each document alone: each
+    document's logits, the loss, every gradient."""
+    ids, cu_seqlens, probe = _pack()
+    logits, loss_sum, grads = _logits_loss_and_gradients(model, ids, cu_seqlens, probe)
+    expected_logits, expected_loss, expected_grads = _float64_documents_alone()
+    errors = {}
+    for i, (start, end) in enumerate(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())):
+        errors[f"logits of document {i} ({end - start} tokens)"] = relative_error(
+            logits[:, start:end], expected_logits[:, start:end]
+        )
+    errors["loss"] = relative_error(loss_sum, expected_loss)
+    errors.update({f"grad {name}": relative_error(grad, expected_grads[name]) for name, grad in grads.items()})
+    return errors
+
+
+def _assert_packed_matches_documents_alone(model, logits_tolerance, loss_tolerance, grad_tolerance) -> None:
+    def tolerance(name):
+        return logits_tolerance if name.startswith("logits") else loss_tolerance if name == "loss" else grad_tolerance
+
+    failures = [
+        f"{name} off by {error:.2e}, expected <= {tolerance(name):.0e}"
+        for name, error in _packed_errors(model).items() if not error <= tolerance(name)
+    ]
+    assert not failures, "packed run against each document run alone in float64: " + "; ".join(failures)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_packed_documents_match_float64_documents_alone_on_cpu(dtype):
+    _assert_packed_matches_documents_alone(leaky_model().to(dtype), *CPU_TOLERANCES[dtype])
+
+
+def _ignore_cu_seqlens(op):
+    def sabotaged(*args, cu_seqlens=None, cu_seqlens_cpu=None, **kwargs):
+        return op(*args, **kwargs)  # the pack as one sequence
+    return sabotaged
+
+
+def _zero_one_token_documents(op):
+    def sabotaged(*args, cu_seqlens=None, cu_seqlens_cpu=None, **kwargs):
+        o, *rest = op(*args, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, **kwargs)
+        offsets = (cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens.cpu()).tolist()
+        o = o.clone()
+        for start, end in zip(offsets[:-1], offsets[1:]):
+            if end - start == 1:
+                o[:, start] = 0
+        return (o, *rest)
+    return sabotaged
+
+
+@pytest.mark.parametrize("sabotage", [_ignore_cu_seqlens, _zero_one_token_documents])
+def test_packed_check_fails_an_op_that_mixes_documents_or_drops_one_token_ones(monkeypatch, sabotage):
+    import flashqla
+    from qwen_hybrid import layers
+
+    monkeypatch.setattr(layers.flashqla, "chunk_gated_delta_rule", sabotage(flashqla.chunk_gated_delta_rule))
+    model = leaky_model().float()
+    one_token_error = _packed_errors(model)["logits of document 1 (1 tokens)"]
+    # far outside bf16's tolerance too, so the GPU test fails such an op as well
+    assert one_token_error > 10 * BF16_TOLERANCES[0], (
+        f"the sabotaged op moved the one-token document's logits by {one_token_error:.2e}, "
+        f"expected > {10 * BF16_TOLERANCES[0]:.0e}"
+    )
+    with pytest.raises(AssertionError, match=r"logits of document 1 \(1 tokens\) off by"):
+        _assert_packed_matches_documents_alone(model, *CPU_TOLERANCES[torch.float32])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("backend", ["tilelang", "fla"])
-def test_gpu_bf16_model_matches_float32_torch_reference(backend):
-    """bf16 on the GPU (GDN kernels, varlen FlashAttention, compiled elementwise chains) against
-    the float32 torch path on the CPU."""
+def test_gpu_bf16_packed_documents_match_float64_documents_alone(backend):
+    """bf16 on the GPU (GDN kernels, varlen FlashAttention, compiled elementwise chains) on a pack
+    with a one-token document, against the float64 torch model on each document alone (CPU)."""
     if backend == "fla":
         pytest.importorskip("fla")
-    config = QwenHybridConfig.named("tiny", linear_key_head_dim=128, linear_value_head_dim=128, head_dim=128,
-                                    gdn_backend=backend)
-    torch.manual_seed(0)
-    reference = QwenHybridForCausalLM(QwenHybridConfig(**{**config.__dict__, "gdn_backend": "torch"}))
-    fast = QwenHybridForCausalLM(config)
-    fast.load_state_dict(reference.state_dict())
-    fast = fast.to("cuda", torch.bfloat16)
-    lengths = [700, 1, 300]
-    ids = torch.randint(0, 512, (1, sum(lengths)), generator=torch.Generator().manual_seed(1))
-    cu_seqlens = torch.tensor([0, 700, 701, 1001], dtype=torch.int32)
-    expected = reference(ids, cu_seqlens=cu_seqlens, labels=ids, return_logits=True)
-    expected.loss.backward()
-    actual = fast(ids.cuda(), cu_seqlens=cu_seqlens.cuda(), labels=ids.cuda(), return_logits=True)
-    actual.loss.backward()
-    assert relative_error(actual.logits.float().cpu(), expected.logits) <= 3e-2
-    assert abs(actual.loss.item() - expected.loss.item()) <= 1e-2 * expected.loss.item()
-    reference_params = dict(reference.named_parameters())
-    for name, param in fast.named_parameters():
-        assert relative_error(param.grad.float().cpu(), reference_params[name].grad) <= 5e-2, name
+    _assert_packed_matches_documents_alone(leaky_model(backend).to("cuda", torch.bfloat16), *BF16_TOLERANCES)
 
 
 def test_model_reads_cu_seqlens_once_and_hands_host_offsets_to_every_gdn_layer(monkeypatch):
