@@ -1,16 +1,19 @@
-"""Forward (and backward) timings of our kernels beside FLA's and FlashQLA's, all three per shape.
+"""Forward (and backward) timings of our kernels beside FLA's and FlashQLA's, all three per shape;
+and side-by-side timings of kernel variants (--compare).
 
     python -m flashqla.bench [--fwd] [--bwd] [--json PATH] [--shapes SUBSTR,...] [--baselines fla,flashqla]
                              [--time-budget SECONDS] [--breakdown]
+    python -m flashqla.bench --compare [backward_pieces,keep_forward,grouped_products] [--json PATH]
 
 Each library is called the way its users call it: ours through `flashqla.chunk_gated_delta_rule`
-(backend="tilelang", input checks included), FLA through `fla.ops.gated_delta_rule.chunk_gated_delta_rule`
-with FLA_FLASH_QLA=0 (else FLA hands the call to FlashQLA), FlashQLA through
+(backend="tilelang", input checks included), FLA through its `chunk_gated_delta_rule` beneath
+fla-core's backend dispatch (`flashqla.fla_baseline.fla_chunk_gated_delta_rule`: FLA's own
+kernels, what FLA_FLASH_QLA=0 gives, else FLA hands the call to FlashQLA), FlashQLA through
 `flash_qla.chunk_gated_delta_rule`; cu_seqlens is made once per shape in the dtype each expects.
 Ours and FLA also get the offsets' host copy (`cu_seqlens_cpu`, as the model passes it), which
 spares both a device->host read per call; FlashQLA's signature has no such argument.
 --no-host-offsets times the synchronising call instead.
-Inputs as in docs/anchors.md: bf16 q/k/v (q, k L2-normalised), fp32 g = logsigmoid(randn)/16,
+Inputs as in the anchors' benchmark: bf16 q/k/v (q, k L2-normalised), fp32 g = logsigmoid(randn)/16,
 fp32 beta = sigmoid(rand), fp32 initial state, final state on, K = V = 128, B = 1 with cu_seqlens.
 Median of triton.testing.do_bench; forward under no_grad; backward = (forward + backward) - forward.
 Per shape it also records each library's first call (compile included: FlashQLA compiles about a
@@ -18,26 +21,28 @@ dozen TileLang kernels per head layout, minutes without a carried TileLang cache
 L2 distance of o and the final state from FLA's.
 --breakdown adds our per-stage times (planning uncached and cached, cumsum, the gated products by
 the per-value-head kernel ("products") and by the grouped one, the default ("products_grouped"),
-walk starts, fused walk). --baselines ...,candidates adds a column for ours with every candidate of
-flashqla/hopper/candidates.py on, so a switch is decided side by side. --time-budget starts no
-shape that would likely end past the budget; the JSON is rewritten after every shape, so a killed
-run keeps what it measured. --warm-only makes only the first calls: FLA's compile and autotuning
-take about two minutes per head layout, so tools/device_session.sh runs one such process per
-layout in parallel (autotune results not kept, FLA_CACHE_RESULTS=0) and the timed run then
-autotunes alone with every kernel already compiled.
+walk starts, fused walk). --time-budget starts no shape that would likely end past the budget; the
+JSON is rewritten after every shape, so a killed run keeps what it measured. --warm-only makes only
+the first calls: FLA's compile and autotuning take about two minutes per head layout, so
+tools/device_session.sh runs one such process per layout in parallel (autotune results not kept,
+FLA_CACHE_RESULTS=0) and the timed run then autotunes alone with every kernel already compiled.
+
+--compare times what decides between kernel variants, each pair on the same inputs, and prints the
+ratios (timings live here, not in the GPU tests, so a busy machine cannot fail a correctness test):
+- backward_pieces: the backward with the state-gradient walk in pieces (`hopper.backward(...,
+  state_grads_in_pieces=True)`, not yet run on a GPU) against the whole-sequence walk;
+- keep_forward: forward + backward through the public op, keep_for_backward=False against True;
+- grouped_products: the per-value-head gated products kernel against the grouped one at 4 and at
+  3 CTAs per SM (MIN_BLOCKS_PER_SM, the default).
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 
 import torch
 import torch.nn.functional as F
-
-# FLA must run its own kernels, not route to FlashQLA (read when fla is imported and per call).
-os.environ["FLA_FLASH_QLA"] = "0"
 
 HEAD_LAYOUTS = {"TP1": (16, 64), "TP1.33": (16, 48), "TP2": (16, 32), "TP2'": (8, 32), "TP2.67": (8, 24),
                 "TP4": (4, 16), "TP8": (2, 8), "16/16": (16, 16)}
@@ -87,8 +92,10 @@ def implementations(baselines: list[str], host_offsets: bool = True) -> dict:
 
     impls = {"ours": ours}
     if "fla" in baselines:
+        from flashqla.fla_baseline import fla_chunk_gated_delta_rule
+
         try:
-            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_op
+            fla_op = fla_chunk_gated_delta_rule()
         except ImportError:
             print("fla-core not installed: FLA column skipped")
         else:
@@ -106,13 +113,6 @@ def implementations(baselines: list[str], host_offsets: bool = True) -> dict:
                 return flashqla_op(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"],
                                    output_final_state=True, cu_seqlens=x["cu_seqlens_long"])
             impls["flashqla"] = flashqla
-    if "candidates" in baselines:  # ours with every candidate kernel on (hopper/candidates.py), timed last
-        from flashqla.hopper import candidates
-
-        def ours_with_candidates(x):
-            with candidates.use(*candidates.NAMES):
-                return ours(x)
-        impls["candidates"] = ours_with_candidates
     return impls
 
 
@@ -120,31 +120,32 @@ def forward_breakdown(inputs: dict, rep_ms: int) -> dict:
     """Median ms of each stage of our forward (planning, cumsum, gated products, walk starts, fused kernel)."""
     from triton.testing import do_bench
 
-    from flashqla import hopper
     from flashqla.hopper.chunk_plan import build_forward_plan, plan_forward, walk_starts
-    from flashqla.hopper.inverse import gated_products
+    from flashqla.hopper.cumsum import chunk_local_cumsum
+    from flashqla.hopper.fused_forward import MAX_VALUE_BLOCK, fused_forward
+    from flashqla.hopper.gated_products import gated_products
 
     q, k, v, g, beta = (inputs[n][0] for n in ("q", "k", "v", "g", "beta"))
     cu = inputs["cu_seqlens"]
     bounds = cu.tolist()
     num_tokens, num_v_heads = g.shape
     sm_count = torch.cuda.get_device_properties().multi_processor_count
-    plan = plan_forward(cu, num_v_heads, 128, sm_count, hopper.MAX_VALUE_BLOCK)
+    plan = plan_forward(cu, num_v_heads, 128, sm_count, MAX_VALUE_BLOCK)
     index = plan.chunk_index
-    gamma = hopper.chunk_local_cumsum(g[None], cu, chunk_index=index).view(num_tokens, num_v_heads)
+    gamma = chunk_local_cumsum(g[None], cu, chunk_index=index).view(num_tokens, num_v_heads)
     gated_inverse, scores, _ = gated_products(q, k, gamma, beta, 128 ** -0.5, cu, index)
     walk = walk_starts(plan.pieces, cu, gamma, -10.0, plan.max_walk_back, walk_index=plan.walk_index)
     stages = {
         # uncached: the first layer of a step with new cu_seqlens (one device->host read included)
-        "plan": lambda: build_forward_plan(cu.tolist(), cu.device, num_v_heads, 128, sm_count, hopper.MAX_VALUE_BLOCK),
+        "plan": lambda: build_forward_plan(cu.tolist(), cu.device, num_v_heads, 128, sm_count, MAX_VALUE_BLOCK),
         # cached, with the host bounds the public op already holds (no sync): every later layer
-        "plan_cached": lambda: plan_forward(cu, num_v_heads, 128, sm_count, hopper.MAX_VALUE_BLOCK,
+        "plan_cached": lambda: plan_forward(cu, num_v_heads, 128, sm_count, MAX_VALUE_BLOCK,
                                             host_bounds=bounds),
-        "cumsum": lambda: hopper.chunk_local_cumsum(g[None], cu, chunk_index=index),
+        "cumsum": lambda: chunk_local_cumsum(g[None], cu, chunk_index=index),
         "products": lambda: gated_products(q, k, gamma, beta, 128 ** -0.5, cu, index, grouped=False),
         "products_grouped": lambda: gated_products(q, k, gamma, beta, 128 ** -0.5, cu, index, grouped=True),
         "walk": lambda: walk_starts(plan.pieces, cu, gamma, -10.0, plan.max_walk_back, walk_index=plan.walk_index),
-        "fused": lambda: hopper.fused_forward(q, k, v, gamma, gated_inverse, scores, 128 ** -0.5,
+        "fused": lambda: fused_forward(q, k, v, gamma, gated_inverse, scores, 128 ** -0.5,
                                              inputs["initial_state"], cu, plan.value_block, plan.pieces, walk,
                                              offsets=plan.chunk_offsets),
     }
@@ -198,14 +199,107 @@ def time_backward(fn, inputs, rep_ms: int, forward_ms: float) -> float:
     return total - forward_ms
 
 
+def _median_ms(fn, rep_ms: int, **kwargs) -> float:
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=max(rep_ms // 20, 10), rep=rep_ms, return_mode="median", **kwargs)
+
+
+def _output_grads(inputs: dict, seed: int = 1):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    do = torch.randn(inputs["v"].shape, generator=gen, device="cuda").to(torch.bfloat16)
+    dht = torch.randn(inputs["initial_state"].shape, generator=gen, device="cuda")
+    return do, dht
+
+
+def compare_backward_pieces(rep_ms: int):
+    """The backward entry with the state-gradient walk in the forward plan's pieces against the
+    whole-sequence walk. On the bench's inputs every head decays (a head that never decays walks
+    its whole sequence either way); the shapes are few heads on long sequences, where pieces help."""
+    from flashqla.hopper.backward import backward
+
+    for heads, lengths in (((16, 16), [131072]), ((2, 8), [131072]), ((16, 16), [32768])):
+        x = make_inputs(heads, lengths)
+        do, dht = _output_grads(x)
+        host = x["cu_seqlens_cpu"].tolist()
+
+        def run(pieces):
+            return backward(x["q"], x["k"], x["v"], x["g"], x["beta"], 128 ** -0.5, x["initial_state"],
+                            x["cu_seqlens"], do, dht, cu_seqlens_host=host, state_grads_in_pieces=pieces)
+
+        yield (f"{heads[0]}/{heads[1]} {'+'.join(map(str, lengths))}",
+               {"whole-sequence walk": _median_ms(lambda: run(False), rep_ms),
+                "walk in pieces": _median_ms(lambda: run(True), rep_ms)})
+
+
+def compare_keep_forward(rep_ms: int):
+    """Forward + backward through the public op, recomputing the forward's intermediates in the
+    backward (keep_for_backward=False) against keeping them (True, the default)."""
+    from flashqla import chunk_gated_delta_rule
+
+    for heads in ((16, 64), (2, 8)):
+        x = make_inputs(heads, [32768])
+        do, dht = _output_grads(x)
+        leaves = [x[n].detach().requires_grad_(True) for n in DIFFERENTIABLE_INPUTS]
+
+        def step(keep):
+            o, final_state = chunk_gated_delta_rule(
+                *leaves[:5], initial_state=leaves[5], output_final_state=True, cu_seqlens=x["cu_seqlens"],
+                cu_seqlens_cpu=x["cu_seqlens_cpu"], backend="tilelang", keep_for_backward=keep)
+            torch.autograd.backward((o, final_state), (do, dht))
+
+        yield (f"{heads[0]}/{heads[1]} 32768",
+               {"recomputed": _median_ms(lambda: step(False), rep_ms, grad_to_none=leaves),
+                "kept": _median_ms(lambda: step(True), rep_ms, grad_to_none=leaves)})
+
+
+def compare_grouped_products(rep_ms: int):
+    """The gated products (Ab, P) by the per-value-head kernel and by the grouped one at 4 and at
+    3 CTAs per SM (its register cap; MIN_BLOCKS_PER_SM is the default)."""
+    from flashqla.hopper.chunk_plan import chunk_indices
+    from flashqla.hopper.cumsum import chunk_local_cumsum
+    from flashqla.hopper.gated_products import gated_products
+
+    for heads in ((16, 64), (16, 32), (16, 16), (8, 24), (2, 8)):
+        x = make_inputs(heads, [32768])
+        total, num_v_heads = x["g"].shape[1:]
+        cu = x["cu_seqlens"]
+        index = chunk_indices(cu)
+        gamma = chunk_local_cumsum(x["g"], cu, chunk_index=index).view(total, num_v_heads)
+        call = (x["q"][0], x["k"][0], gamma, x["beta"][0], 128 ** -0.5, cu, index)
+        variants = {"per-head": dict(grouped=False), "grouped, 4 CTAs/SM": dict(grouped=True, min_blocks_per_sm=4),
+                    "grouped, 3 CTAs/SM": dict(grouped=True, min_blocks_per_sm=3)}
+        yield (f"{heads[0]}/{heads[1]} 32768",
+               {name: _median_ms(lambda: gated_products(*call, **kwargs), rep_ms) for name, kwargs in variants.items()})
+
+
+COMPARISONS = {"backward_pieces": compare_backward_pieces, "keep_forward": compare_keep_forward,
+               "grouped_products": compare_grouped_products}
+
+
+def run_comparisons(names: list[str], rep_ms: int, json_path: str | None) -> None:
+    """Each comparison's shapes, its variants' medians and each variant's speed-up over the first."""
+    results = []
+    for name in names:
+        for shape, times in COMPARISONS[name](rep_ms):
+            first = next(iter(times.values()))
+            speedups = {variant: first / ms for variant, ms in times.items()}
+            results.append({"comparison": name, "shape": shape, "ms": times, "speedup_over_first": speedups})
+            print(f"{name} {shape}: " + ", ".join(f"{variant} {ms:.3f} ms ({speedups[variant]:.2f}x)"
+                                                  for variant, ms in times.items()), flush=True)
+            torch.cuda.empty_cache()
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "comparisons": results}, f, indent=1)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--fwd", action="store_true", help="time the forward (default when --bwd is not given)")
     parser.add_argument("--bwd", action="store_true", help="also time the backward through autograd")
     parser.add_argument("--json", default=None, help="write all timings to this JSON file (after every shape)")
     parser.add_argument("--shapes", default="", help="comma-separated substrings; run only matching shape names")
-    parser.add_argument("--baselines", default="fla,flashqla",
-                        help="comma-separated: fla, flashqla, candidates (ours with the candidate kernels on)")
+    parser.add_argument("--baselines", default="fla,flashqla", help="comma-separated: fla, flashqla")
     parser.add_argument("--no-host-offsets", dest="host_offsets", action="store_false",
                         help="call ours and FLA without cu_seqlens_cpu (each reads cu_seqlens back per call)")
     parser.add_argument("--breakdown", action="store_true", help="also time each stage of our forward")
@@ -215,9 +309,19 @@ def main(argv=None) -> None:
     parser.add_argument("--warm-only", action="store_true",
                         help="only make each library's first call per shape (compiles, autotuning) and print how long "
                              "it took; several such processes can fill the compile caches in parallel before a timed run")
+    parser.add_argument("--compare", nargs="?", const=",".join(COMPARISONS), default=None,
+                        help=f"comma-separated, default all: {', '.join(COMPARISONS)}; times these kernel variants "
+                             "side by side instead of the libraries")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("flashqla.bench needs a CUDA GPU")
+    if args.compare is not None:
+        names = [n for n in args.compare.split(",") if n]
+        unknown = [n for n in names if n not in COMPARISONS]
+        if unknown:
+            raise SystemExit(f"--compare {unknown}: expected names from {', '.join(COMPARISONS)}")
+        run_comparisons(names, args.rep, args.json)
+        return
     started = time.perf_counter()
     do_forward = args.fwd or not args.bwd
     impls = implementations([b for b in args.baselines.split(",") if b], args.host_offsets)

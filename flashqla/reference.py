@@ -1,4 +1,4 @@
-"""Torch references for the chunked gated delta rule (gdn-kernels.md §1-§2).
+"""Torch references for the chunked gated delta rule (docs/gdn-math.md §1-§2).
 
 Two implementations of one function, both differentiable by autograd, on any device:
 
@@ -110,7 +110,7 @@ def chunk_gated_delta_rule_torch(
     use_qk_l2norm_in_kernel: bool = False,
     cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The chunked form of gdn-kernels.md §2, chunk C = 64, in float32 (float64 for float64 input)."""
+    """The chunked form of docs/gdn-math.md §2, chunk C = 64, in float32 (float64 for float64 input)."""
     B, T, _, K = q.shape
     Hv, V = v.shape[2], v.shape[3]
     C = CHUNK_SIZE

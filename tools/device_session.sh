@@ -3,12 +3,13 @@
 # call ends inside the device tool's 10 minutes. Run on the device after the kit's setup:
 #   source .devkit/setup.sh; tools/device_session.sh PART [PART ...]
 # Parts:
-#   tests               every GPU test of the suite but the candidates' (pytest -m gpu; the 2-GPU test skips)
-#   candidates          the candidate kernels' GPU tests (printed timings kept in the log); when they pass,
-#                       a later bench in the same script adds the `candidates` column
+#   tests               every GPU test of the suite but the unverified kernels' (pytest -m gpu; the 2-GPU test skips)
+#   unverified          the GPU tests of kernels not yet run on a GPU, which the public op cannot reach
+#                       (today the state-gradient walk in pieces, hopper.backward(state_grads_in_pieces=True))
+#   compare             python -m flashqla.bench --compare: kernel variants side by side (the walk in pieces,
+#                       kept forward tensors, grouped products), ratios printed, JSON
 #   bench               python -m flashqla.bench --fwd --bwd --breakdown, ours / FLA / FlashQLA, JSON
-#                       (SHAPES=substr,... filters shapes; BENCH_BUDGET seconds, default: what is left;
-#                       BENCH_CANDIDATES=1 adds the candidates column without the candidates part)
+#                       (SHAPES=substr,... filters shapes; BENCH_BUDGET seconds, default: what is left)
 #   bench-warm          one `flashqla.bench --warm-only --baselines fla` process per head layout of SHAPES
 #                       (default all 8), in parallel: FLA's Triton kernels compile into the shared cache, so a
 #                       later bench spends no minutes per layout there. Autotune results are not kept
@@ -23,9 +24,9 @@
 #                       131072 tilelang (TP2_OVERRIDES: extra Hydra overrides)
 #   tp2-8k              (2 GPUs) TP=2 launch/benchmark.sh 0.8B 8192 tilelang
 # On a 2-GPU machine two scripts can share a call, one GPU each (CUDA_VISIBLE_DEVICES, separate OUT):
-#   CUDA_VISIBLE_DEVICES=1 OUT=$OUT/gpu1 tools/device_session.sh candidates bench & \
+#   CUDA_VISIBLE_DEVICES=1 OUT=$OUT/gpu1 tools/device_session.sh unverified compare bench & \
 #   CUDA_VISIBLE_DEVICES=0 OUT=$OUT/gpu0 tools/device_session.sh tests train-8k; wait
-# Writes under $OUT: summary.txt, logs.tgz (every step's log and metrics), bench.json (bench),
+# Writes under $OUT: summary.txt, logs.tgz (every step's log and metrics), bench.json (bench), compare.json (compare),
 # tritoncache.tgz (Triton's cache, restored from .devkit/tritoncache.tgz next call); setup.sh adds
 # tlcache.tgz. Prints the summary table last. BUDGET_S (default 560) bounds the whole script.
 # The train parts take STEPS (launch/benchmark.sh's step count), TRAIN_TIMEOUT_S (per run, default 240)
@@ -43,10 +44,9 @@ export PYTHONUNBUFFERED=1 WANDB_MODE=disabled TRITON_CACHE_DIR=/tmp/tritoncache 
 mkdir -p "$TRITON_CACHE_DIR"
 [ -f .devkit/tritoncache.tgz ] && tar -xzf .devkit/tritoncache.tgz -C /tmp
 SUMMARY=()
-# Test files of what flashqla/hopper/candidates.py lists (the three candidates of 2026-11-30 became
-# defaults; their tests run in `tests`).
-CANDIDATE_TESTS=(tests/flashqla/test_hopper_backward_pieces.py)
-BENCH_CANDIDATES=${BENCH_CANDIDATES:-0}
+# Test files of kernels not yet run on a GPU (reachable only through internal arguments); once they
+# pass on the device, their file leaves this list and runs in `tests`.
+UNVERIFIED_TESTS=(tests/flashqla/test_hopper_backward_pieces.py)
 
 left() { echo $((BUDGET_S - (SECONDS - STARTED))); }
 
@@ -90,23 +90,24 @@ run_part() {
     tests)
         step env 30 10 bash -c 'nvidia-smi; '"$PYTHON"' -c "import torch, triton, tilelang; print(torch.__version__, triton.__version__, tilelang.__version__, torch.cuda.get_device_name())"'
         step pytest-gpu 540 120 "$PYTHON" -m pytest -m gpu -q -rfE -p no:cacheprovider --timeout=300 \
-            ${CANDIDATE_TESTS[@]+"${CANDIDATE_TESTS[@]/#/--ignore=}"} tests/
+            ${UNVERIFIED_TESTS[@]+"${UNVERIFIED_TESTS[@]/#/--ignore=}"} tests/
         ;;
-    candidates)
-        if [ ${#CANDIDATE_TESTS[@]} -eq 0 ]; then
-            SUMMARY+=("$(printf '%-22s %-9s %6s  %s' pytest-candidates SKIPPED - "no candidate kernels")")
+    unverified)
+        if [ ${#UNVERIFIED_TESTS[@]} -eq 0 ]; then
+            SUMMARY+=("$(printf '%-22s %-9s %6s  %s' pytest-unverified SKIPPED - "no unverified kernels")")
             return 0
         fi
-        # -s keeps the timing prints; the thread method ends the process if a kernel hangs
-        step pytest-candidates 360 60 "$PYTHON" -m pytest -m gpu -q -s -rfE -p no:cacheprovider --timeout=150 \
-            --timeout-method=thread "${CANDIDATE_TESTS[@]}" && BENCH_CANDIDATES=1
+        # the thread method ends the process if a kernel hangs
+        step pytest-unverified 360 60 "$PYTHON" -m pytest -m gpu -q -rfE -p no:cacheprovider --timeout=150 \
+            --timeout-method=thread "${UNVERIFIED_TESTS[@]}"
+        ;;
+    compare)
+        step compare 300 60 "$PYTHON" -m flashqla.bench --compare --json "$OUT/compare.json"
         ;;
     bench)
         local budget=${BENCH_BUDGET:-$(($(left) - 40))}
-        local baselines=fla,flashqla
-        [ "$BENCH_CANDIDATES" = 1 ] && baselines=$baselines,candidates
         step bench $((budget + 30)) 90 "$PYTHON" -m flashqla.bench --fwd --bwd --breakdown --json "$OUT/bench.json" \
-            --baselines "$baselines" --time-budget "$budget" ${SHAPES:+--shapes "$SHAPES"}
+            --baselines fla,flashqla --time-budget "$budget" ${SHAPES:+--shapes "$SHAPES"}
         ;;
     bench-warm)
         local layouts=${SHAPES:-16/64,16/48,16/32,8/32,8/24,4/16,2/8,16/16}
@@ -144,7 +145,7 @@ print(first_call_s(implementations([])["ours"], make_inputs(heads, lens)))' "${N
             launch/benchmark.sh 0.8B 8192 tilelang ${TP2_OVERRIDES:-}
         ;;
     *)
-        echo "unknown part '$1': tests, candidates, bench, bench-warm, ncu, train-8k, train-128k-tilelang, train-128k-fla, train-2b, train," \
+        echo "unknown part '$1': tests, unverified, compare, bench, bench-warm, ncu, train-8k, train-128k-tilelang, train-128k-fla, train-2b, train," \
             "tp2, tp2-8k" >&2
         SUMMARY+=("$(printf '%-22s %-9s' "$1" "UNKNOWN")")
         ;;

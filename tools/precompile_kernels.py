@@ -112,8 +112,8 @@ def compile_ours(shapes, like_the_model: bool = False, with_initial_state: bool 
     final state, dense [1, T] without cu_seqlens) instead of the bench's."""
     import torch
 
-    from flashqla import hopper
     from flashqla.hopper.backward import backward
+    from flashqla.hopper.forward import forward
 
     dtype = getattr(torch, dtype_name)
     for name, heads, seq_lens in shapes:
@@ -126,24 +126,25 @@ def compile_ours(shapes, like_the_model: bool = False, with_initial_state: bool 
             beta, cu = x["beta"], x["cu_seqlens"].to(torch.int32)
             h0 = x["initial_state"] if with_initial_state else None
             d_state = torch.randn_like(x["initial_state"])
-        hopper.forward(q, k, v, x["g"], beta, None, h0, not like_the_model, cu)
+        forward(q, k, v, x["g"], beta, None, h0, not like_the_model, cu)
         backward(q, k, v, x["g"], beta, 128 ** -0.5, h0, cu, torch.randn_like(v), d_state)
         # the variants a differentiated forward runs (the grouped products that also store A~, the fused
         # walk that stores the chunk states), and the backward that reads them
-        _, _, kept = hopper.forward(q, k, v, x["g"], beta, None, h0, not like_the_model, cu, keep_for_backward=True)
+        _, _, kept = forward(q, k, v, x["g"], beta, None, h0, not like_the_model, cu, keep_for_backward=True)
         backward(q, k, v, x["g"], beta, 128 ** -0.5, h0, cu, torch.randn_like(v), d_state, kept=kept)
-        with hopper.candidates.use(*hopper.candidates.NAMES):  # the candidates' variants too
-            backward(q, k, v, x["g"], beta, 128 ** -0.5, h0, cu, torch.randn_like(v), d_state, kept=kept)
+        # the state-gradient walk in pieces, which the bench and its GPU tests ask for
+        backward(q, k, v, x["g"], beta, 128 ** -0.5, h0, cu, torch.randn_like(v), d_state, kept=kept,
+                 state_grads_in_pieces=True)
         variant = "as the model calls it" if like_the_model else f"{dtype_name}, h0={with_initial_state}"
         print(f"ours {name} ({variant}): {time.time() - started:.0f} s", flush=True)
 
 
 def compile_checks() -> None:
-    """One representative specialisation of every kernel of ours, candidates included
-    (flashqla/hopper/compile_check.py, what CI compiles)."""
-    from flashqla.hopper.compile_check import all_compile_checks
+    """One representative specialisation of every kernel of ours (flashqla/hopper/compile_check.py,
+    what CI compiles)."""
+    from flashqla.hopper.compile_check import COMPILE_CHECKS
 
-    for name, build in all_compile_checks():
+    for name, build in COMPILE_CHECKS:
         started = time.time()
         build()
         print(f"check {name}: {time.time() - started:.0f} s", flush=True)
@@ -199,9 +200,10 @@ def main(argv=None) -> None:
     parser.add_argument("--merge", default=None,
                         help="cache tarball to start from (default: --out when it exists, e.g. one the device "
                              "sent back)")
-    parser.add_argument("--sets", default="bench,model,tests",
+    parser.add_argument("--sets", default="bench,model,tests,compare",
                         help="bench: the bench's shapes for ours, FLA and FlashQLA; model: the training runs' "
-                             "head layouts for ours and FLA; tests: the GPU tests' grid and compile checks for ours")
+                             "head layouts for ours and FLA; tests: the GPU tests' grid and compile checks for ours; "
+                             "compare: what `flashqla.bench --compare` adds to the bench's")
     parser.add_argument("--shapes", default="", help="comma-separated substrings of flashqla.bench shape names")
     parser.add_argument("--skip-flashqla", action="store_true")
     parser.add_argument("--skip-ours", action="store_true")
@@ -237,6 +239,11 @@ def main(argv=None) -> None:
             # a group of 16 value heads per qk head: the per-value-head products kernel
             compile_ours([("1/16 4096", (1, 16), [4096])])
             compile_checks()
+        if "compare" in sets:
+            compile_ours([("16/16 1x131072", (16, 16), [131072])])
+            from flashqla.hopper.grouped_products import compile_grouped_products
+
+            compile_grouped_products(min_blocks_per_sm=4)  # the variant the comparison times beside the default
     if not args.skip_fla:
         compile_fla_tilelang(sorted({heads for _, heads, _ in shapes + model_shapes}))
     if not args.skip_flashqla:

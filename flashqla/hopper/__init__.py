@@ -1,98 +1,23 @@
-"""TileLang kernels for the chunked gated delta rule on Hopper (SM90).
+"""TileLang kernels for the chunked gated delta rule on Hopper (SM90), K = V = 128.
 
-`forward` is the entry the public op calls with validated inputs (q, k already L2-normalised
-when asked). Kernel files: cumsum.py (chunk-local cumsum of g), inverse.py (gate-free inverse per
-chunk, and the gated products the fused kernel reads), fused_forward.py (o and final state),
-chunk_states.py (state-only X/Y recurrence), chunk_plan.py (pieces, V split; plans cached by cu_seqlens),
-backward.py (the backward's entry: backward_state_grads.py walks the state gradients,
-backward_chunk_grads.py computes the per-chunk gradients),
-candidates.py (which kernels in the tree are still candidates, and the switch that turns them on).
+The math they implement is docs/gdn-math.md. Entries (called with checked inputs):
+
+- forward.py: `forward`, the forward's kernels in order (and `KeptForward`, what it can keep);
+- backward.py: `backward`, the backward's kernels in order;
+- autograd.py: the two joined for autograd, the "tilelang" backend of flashqla/backends.py.
+
+One file per kernel, in pipeline order:
+
+- cumsum.py: chunk-local cumsum of g (gamma);
+- inverse.py: the gate-free inverse A~ of every chunk;
+- gated_products.py: Ab and P of every chunk, per value head, and the entry that picks between it
+  and grouped_products.py, the same per group of value heads sharing a qk head;
+- fused_forward.py: the forward's sequential walk: o, the final state, the chunk states;
+- chunk_states.py: the state-only walk (chunk states for the backward, transitions);
+- backward_state_grads.py: the backward's sequential walk: the state gradients;
+- backward_chunk_grads.py: dq, dk, dv, dg, dbeta of every chunk in parallel.
+
+Shared: common.py (target, head dim, chunk size, constants), chunk_plan.py (host-side planning:
+chunk index, pieces of split sequences, V split, warm-up starts), compile_check.py (every kernel
+built for sm_90a, no GPU needed).
 """
-
-from typing import NamedTuple
-
-import torch
-
-from flashqla.hopper import candidates  # noqa: F401 (the switch api.py reads)
-from flashqla.hopper.chunk_plan import device_sm_count, flat_cu_seqlens, plan_forward, walk_starts
-from flashqla.hopper.cumsum import chunk_local_cumsum
-from flashqla.hopper.fused_forward import MAX_VALUE_BLOCK, fused_forward
-from flashqla.hopper.inverse import gated_products
-
-SUPPORTED_HEAD_DIM = 128
-SUPPORTED_INPUT_DTYPES = (torch.bfloat16, torch.float16)
-# Truncated history costs at most exp(-10) ~ 5e-5 relative error in a split piece's entering state.
-DEFAULT_LOG_DECAY_THRESHOLD = -10.0
-
-
-class KeptForward(NamedTuple):
-    """What the forward can hand the backward so that it recomputes nothing but the state gradients
-    (`forward(..., keep_for_backward=True)`): T * Hv * (3 * 128 + 4) bytes plus one state per chunk
-    and value head (T * Hv * 512 bytes) in the inputs' dtype."""
-
-    gamma: torch.Tensor           # float32 [T, Hv]: chunk-local cumsum of g
-    gated_inverse: torch.Tensor   # [T, Hv, 64]: Ab
-    scores: torch.Tensor          # [T, Hv, 64]: P
-    inverse: torch.Tensor | None  # [T, Hv, 64]: A~ (None where the per-value-head products kernel ran)
-    chunk_states: torch.Tensor    # [num_chunks, Hv, 128, 128]: the state entering every chunk
-
-
-def check_supported(q: torch.Tensor, v: torch.Tensor) -> None:
-    """Raise ValueError for inputs the Hopper kernels do not cover."""
-    head_k, head_v = q.shape[-1], v.shape[-1]
-    if head_k != SUPPORTED_HEAD_DIM or head_v != SUPPORTED_HEAD_DIM:
-        raise ValueError(f"backend='tilelang' supports K = V = 128, got K={head_k}, V={head_v}")
-    if q.dtype not in SUPPORTED_INPUT_DTYPES or v.dtype != q.dtype:
-        raise ValueError(f"backend='tilelang' needs q, k, v all bfloat16 or all float16, got q {q.dtype}, v {v.dtype}")
-
-
-def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-            log_decay_threshold: float = DEFAULT_LOG_DECAY_THRESHOLD, cu_seqlens_host: list[int] | None = None,
-            keep_for_backward: bool = False):
-    """(o, final_state or None) for q, k [B, T, Hqk, 128], v [B, T, Hv, 128], g, beta [B, T, Hv].
-
-    log_decay_threshold: how far a piece of a split sequence may truncate the history it rebuilds
-    its entering state from (chunk_plan.walk_starts); -inf never truncates.
-    cu_seqlens_host: cu_seqlens as a Python list when the caller has already read it back; saves
-    the forward's only device->host sync.
-    keep_for_backward: also return a KeptForward, which `backward.backward(..., kept=...)` takes
-    instead of recomputing the inverse, the products and the chunk states.
-    """
-    check_supported(q, v)
-    batch_size, seq_len, num_qk_heads, head_dim = q.shape
-    num_v_heads = v.shape[2]
-    num_tokens = batch_size * seq_len
-    if cu_seqlens is None:
-        cu_seqlens = flat_cu_seqlens(batch_size, seq_len, q.device)
-        cu_seqlens_host = [b * seq_len for b in range(batch_size + 1)]
-    cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()
-    if scale is None:
-        scale = head_dim ** -0.5
-
-    q_flat = q.reshape(num_tokens, num_qk_heads, head_dim).contiguous()
-    k_flat = k.reshape(num_tokens, num_qk_heads, head_dim).contiguous()
-    v_flat = v.reshape(num_tokens, num_v_heads, head_dim).contiguous()
-    beta_flat = beta.reshape(num_tokens, num_v_heads).contiguous()
-    if beta_flat.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        beta_flat = beta_flat.float()
-    if g.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        g = g.float()
-
-    plan = plan_forward(cu_seqlens, num_v_heads, head_dim, device_sm_count(q.device), MAX_VALUE_BLOCK,
-                        host_bounds=cu_seqlens_host)
-    gamma = chunk_local_cumsum(g.reshape(1, num_tokens, num_v_heads), cu_seqlens, chunk_index=plan.chunk_index)
-    gamma = gamma.view(num_tokens, num_v_heads)
-    gated_inverse, scores, inverse = gated_products(q_flat, k_flat, gamma, beta_flat, scale, cu_seqlens,
-                                                    plan.chunk_index, with_inverse=keep_for_backward)
-    walk = walk_starts(plan.pieces, cu_seqlens, gamma, log_decay_threshold, plan.max_walk_back,
-                       walk_index=plan.walk_index)
-    h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
-    o, final_state, chunk_states = fused_forward(
-        q_flat, k_flat, v_flat, gamma, gated_inverse, scores, scale, h0,
-        cu_seqlens, plan.value_block, plan.pieces, walk, store_chunk_states=keep_for_backward,
-        offsets=plan.chunk_offsets, num_chunks=plan.chunk_index.shape[0])
-    o = o.view(batch_size, seq_len, num_v_heads, head_dim)
-    final_state = final_state if output_final_state else None
-    if keep_for_backward:
-        return o, final_state, KeptForward(gamma, gated_inverse, scores, inverse, chunk_states)
-    return o, final_state

@@ -1,41 +1,35 @@
-"""Backward of the chunked gated delta rule on Hopper: the entry the autograd Function calls.
+"""The backward's entry: the gradients of (o, final state), from the kernels in the order they run.
 
-1. Recompute what the forward did not keep: gamma, the gate-free inverse A~, the gated inverse Ab
-   and masked scores Pm (inverse.py), and the bf16 state entering every chunk (chunk_states.py).
-   With the forward's `KeptForward` none of this runs.
+1. Recompute what the forward did not keep: gamma (cumsum.py), the gate-free inverse A~
+   (inverse.py), Ab and P (gated_products.py) and the bf16 state entering every chunk
+   (chunk_states.py). With the forward's `KeptForward` none of this runs.
 2. Walk the chunks in reverse for the state gradient leaving every chunk, and dh0
-   (backward_state_grads.py; the only sequential part, light: four small products per chunk). With
-   the backward_pieces candidate, in the forward plan's pieces (chunk_plan.walk_ends).
-3. Every chunk in parallel: dq, dk, dv, dg, dbeta (backward_chunk_grads.py: persistent CTAs, TMA
-   loads overlapping compute; 1.2-1.3x faster on the H200 than one CTA per chunk).
+   (backward_state_grads.py; docs/gdn-math.md §3.1): the only sequential part.
+3. Every chunk in parallel: dq, dk, dv, dg, dbeta (backward_chunk_grads.py; §3.2-3.3).
 dq and dk come per value head and are summed over each head group in torch, which keeps the
 result deterministic (no atomics).
 """
 
 import torch
 
-from flashqla.hopper import DEFAULT_LOG_DECAY_THRESHOLD, KeptForward, candidates
-from flashqla.hopper.backward_chunk_grads import HEAD_DIM, chunk_gradients, compile_chunk_grads
-from flashqla.hopper.backward_state_grads import compile_state_grads, state_gradients
+from flashqla.hopper.backward_chunk_grads import chunk_gradients
+from flashqla.hopper.backward_state_grads import state_gradients
 from flashqla.hopper.chunk_plan import device_sm_count, flat_cu_seqlens, plan_forward, value_block_size, walk_ends
 from flashqla.hopper.chunk_states import chunk_states
+from flashqla.hopper.common import DEFAULT_LOG_DECAY_THRESHOLD, HEAD_DIM, unsupported_inputs
 from flashqla.hopper.cumsum import chunk_local_cumsum
+from flashqla.hopper.forward import KeptForward
 from flashqla.hopper.fused_forward import MAX_VALUE_BLOCK as FORWARD_MAX_VALUE_BLOCK
-from flashqla.hopper.inverse import gate_free_inverse, gated_products
+from flashqla.hopper.gated_products import gated_products
+from flashqla.hopper.inverse import gate_free_inverse
 
 # Widest V block of the sequential walks: narrower blocks give more CTAs on the critical path.
 MAX_VALUE_BLOCK = 64
 
-COMPILE_CHECKS = [
-    ("backward_state_grads", lambda: compile_state_grads(32)),
-    ("backward_state_grads_pieces", lambda: compile_state_grads(64, pieces=True)),
-    ("backward_chunk_grads", compile_chunk_grads),
-]
-
 
 def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seqlens_host: list[int] | None = None,
-             kept: KeptForward | None = None):
-    """Gradients of (o, final_state) for inputs as given to `flashqla.hopper.forward`.
+             kept: KeptForward | None = None, state_grads_in_pieces: bool = False):
+    """Gradients of (o, final_state) for inputs as given to `forward.forward`.
 
     q, k: [B, T, Hqk, 128]; v, do: [B, T, Hv, 128]; g, beta: [B, T, Hv]; initial_state, dht:
     [N, Hv, 128, 128] or None; cu_seqlens: int [N + 1] (B = 1) or None.
@@ -44,14 +38,16 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seq
     there is no initial state (the gradient a zero initial state would get).
     cu_seqlens_host: cu_seqlens as a list when the caller holds it (the forward's plan is then
     reused from its cache with no device->host read).
-    kept: what `hopper.forward(..., keep_for_backward=True)` returned for these inputs; everything
+    kept: what `forward.forward(..., keep_for_backward=True)` returned for these inputs; everything
     in it is recomputed when None.
+    state_grads_in_pieces: walk the state gradients of sequences the forward plan cut in the same
+    pieces, each from a decay-truncated warm-up after its end (chunk_plan.walk_ends,
+    docs/gdn-math.md §4), instead of one CTA per whole sequence. Not yet run on a GPU: only the
+    bench and tests/flashqla/test_hopper_backward_pieces.py ask for it, never the public op.
     """
-    head_k, head_v = q.shape[-1], v.shape[-1]
-    if head_k != HEAD_DIM or head_v != HEAD_DIM:
-        raise ValueError(f"backend='tilelang' supports K = V = 128, got K={head_k}, V={head_v}")
-    if q.dtype not in (torch.bfloat16, torch.float16) or v.dtype != q.dtype:
-        raise ValueError(f"backend='tilelang' needs q, k, v all bfloat16 or all float16, got q {q.dtype}, v {v.dtype}")
+    reason = unsupported_inputs(q, v)
+    if reason is not None:
+        raise ValueError(f"flashqla.hopper.backward {reason}")
     batch_size, seq_len, num_qk_heads, _ = q.shape
     num_v_heads = v.shape[2]
     group = num_v_heads // num_qk_heads
@@ -106,7 +102,7 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seq
     if dht is None:
         dht = torch.zeros(num_sequences, num_v_heads, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=device)
     dht = dht.to(torch.float32).contiguous()
-    if candidates.enabled("backward_pieces") and plan.walk_ahead_index is not None:
+    if state_grads_in_pieces and plan.walk_ahead_index is not None:
         # The forward cut these sequences into pieces; walk the state gradients in the same pieces,
         # each from a decay-truncated warm-up after its end.
         ends = walk_ends(gamma, plan.walk_ahead_index, DEFAULT_LOG_DECAY_THRESHOLD)

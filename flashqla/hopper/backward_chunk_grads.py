@@ -1,4 +1,4 @@
-"""Chunk-parallel gradients of the chunked gated delta rule (gdn-kernels.md section 3).
+"""Chunk-parallel gradients of the chunked gated delta rule (docs/gdn-math.md §3.2-3.3).
 
 With the state entering every chunk (S0, from the state-only kernel) and the state gradient
 leaving it (dS1, from backward_state_grads.py) every chunk is independent, so the heavy part of
@@ -26,16 +26,14 @@ with any other buffer (tests/flashqla/test_hopper_backward_chunk_grads.py checks
 
 import functools
 
-import tilelang
 import tilelang.language as T
 import torch
 
-from flashqla.hopper.chunk_plan import CHUNK_SIZE, device_sm_count
-from flashqla.hopper.cumsum import HOPPER_TARGET
+from flashqla.hopper.chunk_plan import device_sm_count
+from flashqla.hopper.common import CHUNK_SIZE, HEAD_DIM, compile_for_hopper
 
 _C = CHUNK_SIZE
 _THREADS = 256
-HEAD_DIM = 128
 # Shared buffers filled by TMA: the only ones another task's loads write while this task runs.
 TMA_BUFFERS = ("q_s", "k_s", "inv_s", "do_s", "w_s", "s0_s", "ds_s")
 
@@ -367,8 +365,7 @@ def chunk_grads_program():
 
 @functools.lru_cache(maxsize=None)
 def compile_chunk_grads():
-    return tilelang.compile(chunk_grads_program(), target=HOPPER_TARGET,
-                            pass_configs={tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True})
+    return compile_for_hopper(chunk_grads_program(), fast_math=True)
 
 
 def chunk_bounds(cu_seqlens: torch.Tensor, chunk_index: torch.Tensor) -> torch.Tensor:

@@ -1,11 +1,11 @@
 """State gradients of the chunked gated delta rule: the sequential part of the backward.
 
 The state gradient obeys its own reverse recurrence, independent of the forward states
-(gdn-kernels.md section 3):
+(docs/gdn-math.md §3.1):
 
     dDelta = E K dS1 + Pm^T dO,   dU = -D Ab^T dDelta,   dS0 = e^{gamma_C} dS1 + Q^T (scale D dO) + K^T dU
 
-Ab and Pm come precomputed for every chunk (inverse.gated_products), so the walk holds only the
+Ab and Pm come precomputed for every chunk (gated_products.py), so the walk holds only the
 dS-dependent products. One CTA per (V block, value head, sequence) walks the chunks in reverse
 with dS (K x BV, float32) in registers, loads pipelined one chunk ahead, stores the gradient
 leaving every chunk (dS1, bf16) for the chunk-parallel kernel (backward_chunk_grads.py), and
@@ -15,21 +15,19 @@ critical path.
 
 import functools
 
-import tilelang
 import tilelang.language as T
 import torch
 
-from flashqla.hopper.chunk_plan import CHUNK_SIZE, PIECE_FIELDS
-from flashqla.hopper.cumsum import HOPPER_TARGET
+from flashqla.hopper.chunk_plan import PIECE_FIELDS
+from flashqla.hopper.common import CHUNK_SIZE, HEAD_DIM, compile_for_hopper
 
 _C = CHUNK_SIZE
 _THREADS = 128
-HEAD_DIM = 128
 
 
 def state_grads_program(value_block: int = 32, pieces: bool = False):
     """pieces=False: one CTA per (V block, head, sequence), the kernel verified on the H200.
-    pieces=True (candidate `backward_pieces`): one CTA per (V block, head, piece of a sequence); the
+    pieces=True (not yet run on a GPU; see backward.py): one CTA per (V block, head, piece of a sequence); the
     CTA starts at walk_end[piece, head] (the sequence end, from dht, or a chunk boundary after the
     piece, from zero: a decay-truncated warm-up), stores dS only for the piece's own chunks, and
     writes dh0 only when the piece starts its sequence."""
@@ -156,8 +154,7 @@ def state_grads_program(value_block: int = 32, pieces: bool = False):
 
 @functools.lru_cache(maxsize=None)
 def compile_state_grads(value_block: int = 32, pieces: bool = False):
-    return tilelang.compile(state_grads_program(value_block, pieces), target=HOPPER_TARGET,
-                            pass_configs={tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True})
+    return compile_for_hopper(state_grads_program(value_block, pieces), fast_math=True)
 
 
 def state_gradients(q, k, gamma, gated_inverse, scores, do, dht, scale, cu_seqlens, offsets, num_chunks,
@@ -165,7 +162,7 @@ def state_gradients(q, k, gamma, gated_inverse, scores, do, dht, scale, cu_seqle
     """(dS leaving every chunk, bf16 [num_chunks, Hv, 128, 128]; dh0, float32 [N, Hv, 128, 128]).
 
     q, k: [T, Hqk, 128] bf16; gamma (chunk-local cumsum): [T, Hv] fp32; gated_inverse (Ab), scores
-    (Pm, including scale): [T, Hv, 64] bf16 from `inverse.gated_products`; do: [T, Hv, 128] bf16;
+    (Pm, including scale): [T, Hv, 64] bf16 from `gated_products.gated_products`; do: [T, Hv, 128] bf16;
     dht: [N, Hv, 128, 128] fp32; cu_seqlens, offsets: int32 [N + 1].
     pieces, walk_end: a forward plan's pieces (every sequence covered by one or more) and
     chunk_plan.walk_ends for them; both None walks every sequence whole.

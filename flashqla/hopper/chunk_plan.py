@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-CHUNK_SIZE = 64
+from flashqla.hopper.common import CHUNK_SIZE, HEAD_DIM
 # pieces[p] = (sequence, first token, end token, 1 if the piece ends its sequence)
 PIECE_FIELDS = 4
 # An H100/H200 has 132 SMs; the kernels ask the device when one is present.
@@ -46,8 +46,8 @@ def chunk_indices(cu_seqlens: torch.Tensor, chunk_size: int = CHUNK_SIZE) -> tor
     return torch.stack([sequence, within], dim=1).to(torch.int32).contiguous()
 
 
-def value_block_size(num_sequences: int, num_heads: int, value_dim: int = 128,
-                     sm_count: int = DEFAULT_SM_COUNT, max_block: int = 128) -> int:
+def value_block_size(num_sequences: int, num_heads: int, value_dim: int = HEAD_DIM,
+                     sm_count: int = DEFAULT_SM_COUNT, max_block: int = HEAD_DIM) -> int:
     """Width of the V slice one CTA owns: split V when (sequences x heads) cannot fill the SMs."""
     work = num_sequences * num_heads
     block = min(value_dim, max_block)
@@ -181,8 +181,8 @@ class ForwardPlan:
 FORWARD_PLAN_CACHE_SIZE = 16
 
 
-def plan_forward(cu_seqlens: torch.Tensor, num_heads: int, head_dim: int = 128, sm_count: int = DEFAULT_SM_COUNT,
-                 max_value_block: int = 128, min_piece_chunks: int = 16, chunk_size: int = CHUNK_SIZE,
+def plan_forward(cu_seqlens: torch.Tensor, num_heads: int, head_dim: int = HEAD_DIM, sm_count: int = DEFAULT_SM_COUNT,
+                 max_value_block: int = HEAD_DIM, min_piece_chunks: int = 16, chunk_size: int = CHUNK_SIZE,
                  host_bounds: list[int] | None = None) -> ForwardPlan:
     """Chunks, pieces and V split for one forward, from a small LRU cache keyed by the bounds and
     every other argument (and cu_seqlens' device). One device->host read of cu_seqlens unless the
@@ -200,8 +200,8 @@ def _cached_forward_plan(bounds: tuple[int, ...], device: torch.device, num_head
                               min_piece_chunks, chunk_size)
 
 
-def build_forward_plan(bounds: list[int], device: torch.device, num_heads: int, head_dim: int = 128,
-                       sm_count: int = DEFAULT_SM_COUNT, max_value_block: int = 128, min_piece_chunks: int = 16,
+def build_forward_plan(bounds: list[int], device: torch.device, num_heads: int, head_dim: int = HEAD_DIM,
+                       sm_count: int = DEFAULT_SM_COUNT, max_value_block: int = HEAD_DIM, min_piece_chunks: int = 16,
                        chunk_size: int = CHUNK_SIZE) -> ForwardPlan:
     """plan_forward without the cache: bounds is cu_seqlens as a list, device where the plan goes."""
     bounds = np.asarray(bounds, dtype=np.int64)

@@ -1,4 +1,4 @@
-"""State-only recurrence in the X/Y form (gdn-kernels.md section 2):
+"""State-only recurrence in the X/Y form (docs/gdn-math.md §2.4):
 
     X = -diag(beta) A~^T K   (S-independent);   Y = e^{gamma_C} K S0 - E V;   S1 = e^{gamma_C} S0 + X^T Y
 
@@ -10,20 +10,17 @@ column blocks that start from the identity with V = 0.
 
 import functools
 
-import tilelang
 import tilelang.language as T
 import torch
 
-from flashqla.hopper.chunk_plan import CHUNK_SIZE, chunk_offsets
-from flashqla.hopper.cumsum import HOPPER_TARGET
+from flashqla.hopper.chunk_plan import chunk_offsets
+from flashqla.hopper.common import CHUNK_SIZE, HEAD_DIM, LOG2E, compile_for_hopper, dtype_name
 
 _C = CHUNK_SIZE
-_LOG2E = 1.4426950408889634
-_PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
 
 
 def chunk_states_program(value_block: int, dtype: str = "bfloat16",
-                         beta_dtype: str = "float32", head_dim: int = 128, use_initial_state: bool = True,
+                         beta_dtype: str = "float32", head_dim: int = HEAD_DIM, use_initial_state: bool = True,
                          store_chunk_states: bool = True, states_dtype: str = "bfloat16",
                          with_transition: bool = False, threads: int = 128, num_stages: int = 2):
     """Grid: (V / BV value blocks [+ K / BV transition blocks], heads, sequences)."""
@@ -98,7 +95,7 @@ def chunk_states_program(value_block: int, dtype: str = "bfloat16",
                 T.copy(inverse[left:left + _C, head, 0:_C], inverse_shared)
                 last = T.min(end - left, _C) - 1
                 for t in T.Parallel(_C):
-                    gamma_shared[t] = gamma[left + T.min(t, last), head] * _LOG2E
+                    gamma_shared[t] = gamma[left + T.min(t, last), head] * LOG2E
                     beta_shared[t] = T.if_then_else(t <= last, T.cast(beta[left + t, head], "float32"), 0.0)
 
                 for t in T.Parallel(_C):
@@ -132,7 +129,7 @@ def chunk_states_program(value_block: int, dtype: str = "bfloat16",
 
 @functools.lru_cache(maxsize=None)
 def compile_chunk_states(value_block: int, dtype: str = "bfloat16",
-                         beta_dtype: str = "float32", head_dim: int = 128, use_initial_state: bool = True,
+                         beta_dtype: str = "float32", head_dim: int = HEAD_DIM, use_initial_state: bool = True,
                          store_chunk_states: bool = True, states_dtype: str = "bfloat16",
                          with_transition: bool = False):
     # A 128-wide state block needs two warpgroups to stay in registers.
@@ -140,11 +137,7 @@ def compile_chunk_states(value_block: int, dtype: str = "bfloat16",
     program = chunk_states_program(value_block, dtype, beta_dtype, head_dim,
                                    use_initial_state, store_chunk_states, states_dtype, with_transition,
                                    threads=threads)
-    return tilelang.compile(program, target=HOPPER_TARGET, pass_configs=_PASS_CONFIGS)
-
-
-def _dtype_name(tensor: torch.Tensor) -> str:
-    return str(tensor.dtype).removeprefix("torch.")
+    return compile_for_hopper(program, fast_math=True)
 
 
 def chunk_states(k: torch.Tensor, v: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor,
@@ -178,8 +171,8 @@ def chunk_states(k: torch.Tensor, v: torch.Tensor, gamma: torch.Tensor, beta: to
                              dtype=torch.float32, device=device)
     states = torch.empty((max(num_chunks, 1) if store_chunk_states else 1), num_v_heads, head_dim, head_dim,
                          dtype=states_dtype, device=device)
-    kernel = compile_chunk_states(value_block, _dtype_name(k), _dtype_name(beta),
-                                  head_dim, use_initial_state, store_chunk_states, _dtype_name(states),
+    kernel = compile_chunk_states(value_block, dtype_name(k), dtype_name(beta),
+                                  head_dim, use_initial_state, store_chunk_states, dtype_name(states),
                                   with_transition)
     kernel(k, v, gamma, beta, inverse, initial_state.contiguous(), cu_seqlens, offsets, final_state, transition,
            states)

@@ -1,19 +1,25 @@
 """Build every Hopper kernel for sm_90a without a GPU (CI runs this through tests/flashqla/test_hopper_compile.py).
 
-Each entry is (name, zero-argument builder returning a compiled kernel); one representative
-specialisation per kernel keeps the total compile time modest. The backward kernels register
-theirs as COMPILE_CHECKS in flashqla/hopper/backward.py.
+    python -m flashqla.hopper.compile_check [--dump DIR]
+
+Each entry of COMPILE_CHECKS is (name, zero-argument builder returning a compiled kernel); one
+representative specialisation per kernel and variant keeps the total compile time modest.
+--dump writes each kernel's generated CUDA (NAME.cu) and its TIR (NAME.tir, what TileLang's cache
+key hashes) to DIR: a refactor that must not change the kernels leaves `diff -r` of two dumps empty.
 """
+import argparse
+from pathlib import Path
 
-import importlib
-
+from flashqla.hopper.backward_chunk_grads import compile_chunk_grads
+from flashqla.hopper.backward_state_grads import compile_state_grads
 from flashqla.hopper.chunk_states import compile_chunk_states
 from flashqla.hopper.cumsum import compile_cumsum
 from flashqla.hopper.fused_forward import compile_fused_forward
+from flashqla.hopper.gated_products import compile_gated_products
 from flashqla.hopper.grouped_products import compile_grouped_products
-from flashqla.hopper.inverse import compile_gated_products, compile_inverse
+from flashqla.hopper.inverse import compile_inverse
 
-FORWARD_COMPILE_CHECKS = [
+COMPILE_CHECKS = [
     ("chunk_local_cumsum", lambda: compile_cumsum()),
     ("gate_free_inverse", lambda: compile_inverse()),
     ("gated_products", lambda: compile_gated_products()),
@@ -22,33 +28,30 @@ FORWARD_COMPILE_CHECKS = [
     ("chunk_states", lambda: compile_chunk_states(64, with_transition=True)),
     ("grouped_products", lambda: compile_grouped_products()),
     ("grouped_products_with_inverse", lambda: compile_grouped_products(write_inverse=True)),
+    ("backward_state_grads", lambda: compile_state_grads(32)),
+    ("backward_state_grads_pieces", lambda: compile_state_grads(64, pieces=True)),
+    ("backward_chunk_grads", compile_chunk_grads),
 ]
 
 
-def all_compile_checks():
-    """Forward checks plus the backward helper's, when its module is present."""
-    checks = list(FORWARD_COMPILE_CHECKS)
-    try:
-        backward = importlib.import_module("flashqla.hopper.backward")
-    except ModuleNotFoundError as error:
-        if error.name != "flashqla.hopper.backward":
-            raise
-        return checks
-    checks.extend(getattr(backward, "COMPILE_CHECKS", []))
-    return checks
-
-
-def compile_all() -> list[str]:
+def compile_all(dump: Path | None = None) -> list[str]:
     """Compile every kernel for sm_90a; returns the names built. Raises on the first failure."""
     built = []
-    for name, build in all_compile_checks():
+    for name, build in COMPILE_CHECKS:
         kernel = build()
-        if "__global__" not in kernel.get_kernel_source():
+        source = kernel.get_kernel_source()
+        if "__global__" not in source:
             raise RuntimeError(f"kernel {name} produced no CUDA source")
+        if dump is not None:
+            dump.mkdir(parents=True, exist_ok=True)
+            (dump / f"{name}.cu").write_text(source)
+            (dump / f"{name}.tir").write_text(kernel.prim_func.script(show_meta=True))
         built.append(name)
     return built
 
 
 if __name__ == "__main__":
-    for built_name in compile_all():
-        print("built", built_name)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dump", type=Path, default=None, help="write NAME.cu and NAME.tir of every kernel here")
+    for built_name in compile_all(parser.parse_args().dump):
+        print("built", built_name, flush=True)

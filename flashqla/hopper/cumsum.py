@@ -1,14 +1,13 @@
-"""Chunk-local cumulative sum of the log decay g (gamma in gdn-kernels.md section 2)."""
+"""Chunk-local cumulative sum of the log decay g (gamma of docs/gdn-math.md §2.1)."""
 
 import functools
 
-import tilelang
 import tilelang.language as T
 import torch
 
-from flashqla.hopper.chunk_plan import CHUNK_SIZE, chunk_indices, flat_cu_seqlens
+from flashqla.hopper.chunk_plan import chunk_indices, flat_cu_seqlens
+from flashqla.hopper.common import CHUNK_SIZE, compile_for_hopper, dtype_name
 
-HOPPER_TARGET = {"kind": "cuda", "arch": "sm_90a"}
 _THREADS = 128
 
 
@@ -45,7 +44,7 @@ def cumsum_program(g_dtype: str = "float32", chunk_size: int = CHUNK_SIZE):
 
 @functools.lru_cache(maxsize=None)
 def compile_cumsum(g_dtype: str = "float32", chunk_size: int = CHUNK_SIZE):
-    return tilelang.compile(cumsum_program(g_dtype, chunk_size), target=HOPPER_TARGET)
+    return compile_for_hopper(cumsum_program(g_dtype, chunk_size))
 
 
 def chunk_local_cumsum(g: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
@@ -63,6 +62,6 @@ def chunk_local_cumsum(g: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
     g_flat = g.reshape(batch_size * seq_len, num_heads).contiguous()
     gamma = torch.empty(g_flat.shape, dtype=torch.float32, device=g.device)
     if chunk_index.shape[0] > 0:
-        kernel = compile_cumsum(str(g.dtype).removeprefix("torch."), chunk_size)
+        kernel = compile_cumsum(dtype_name(g), chunk_size)
         kernel(g_flat, cu_seqlens, chunk_index, gamma)
     return gamma.view(batch_size, seq_len, num_heads)

@@ -1,4 +1,4 @@
-"""Fused chunked forward of the gated delta rule: o and the final state (gdn-kernels.md section 2).
+"""Fused chunked forward of the gated delta rule: o and the final state (docs/gdn-math.md §2.3).
 
 One CTA per (piece, value head, V block) walks 64-token chunks in order with the fp32 state S
 (K x BV) in registers. Per chunk, with gamma the chunk-local cumsum of g:
@@ -6,7 +6,7 @@ One CTA per (piece, value head, V block) walks 64-token chunks in order with the
     U = K S0;  W = V - D U;  Delta = Ab W;  O = scale D Q S0 + P Delta;  S1 = e^{gamma_C} S0 + K^T (E Delta)
 
 with Ab = Gm * A~ * beta_col and P = scale Gm * tril(Q K^T) built beforehand for every chunk in
-parallel (inverse.gated_products), so only the S-dependent products sit on the sequential walk.
+parallel (gated_products.py), so only the S-dependent products sit on the sequential walk.
 
 A piece is a run of whole chunks of one sequence (the whole sequence unless it is split for
 intra-card context parallelism). Its CTA starts walking at `walk_start` (a chunk boundary at or
@@ -23,23 +23,20 @@ Head counts, lengths and the scale are run-time values: one compiled kernel per 
 
 import functools
 
-import tilelang
 import tilelang.language as T
 import torch
 
-from flashqla.hopper.chunk_plan import CHUNK_SIZE, PIECE_FIELDS, chunk_offsets
-from flashqla.hopper.cumsum import HOPPER_TARGET
+from flashqla.hopper.chunk_plan import PIECE_FIELDS, chunk_offsets
+from flashqla.hopper.common import CHUNK_SIZE, HEAD_DIM, LOG2E, compile_for_hopper, dtype_name
 
 _C = CHUNK_SIZE
-_LOG2E = 1.4426950408889634
-_PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
 # TileLang's automatic warp specialisation gives the TMA producer as many threads as the consumers,
 # capping every thread at 128 registers: a 128-wide V block spills there, 64 does not (much).
 MAX_VALUE_BLOCK = 64
 
 
-def fused_forward_program(value_block: int, dtype: str = "bfloat16", head_dim: int = 128, store_chunk_states: bool = False, threads: int = 256,
-                          num_stages: int = 2):
+def fused_forward_program(value_block: int, dtype: str = "bfloat16", head_dim: int = HEAD_DIM,
+                          store_chunk_states: bool = False, threads: int = 256, num_stages: int = 2):
     num_tokens = T.dynamic("num_tokens")
     num_sequences = T.dynamic("num_sequences")
     num_pieces = T.dynamic("num_pieces")
@@ -117,7 +114,7 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", head_dim: i
                 T.copy(scores[left:left + _C, head, 0:_C], p_shared)
                 last = T.min(end - left, _C) - 1
                 for t in T.Parallel(_C):
-                    gamma_shared[t] = gamma[left + T.min(t, last), head] * _LOG2E
+                    gamma_shared[t] = gamma[left + T.min(t, last), head] * LOG2E
 
                 for t in T.Parallel(_C):
                     row_decay[t] = T.exp2(gamma_shared[t])
@@ -162,14 +159,10 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", head_dim: i
 
 
 @functools.lru_cache(maxsize=None)
-def compile_fused_forward(value_block: int, dtype: str = "bfloat16", head_dim: int = 128,
+def compile_fused_forward(value_block: int, dtype: str = "bfloat16", head_dim: int = HEAD_DIM,
                           store_chunk_states: bool = False):
     program = fused_forward_program(value_block, dtype, head_dim, store_chunk_states)
-    return tilelang.compile(program, target=HOPPER_TARGET, pass_configs=_PASS_CONFIGS)
-
-
-def _dtype_name(tensor: torch.Tensor) -> str:
-    return str(tensor.dtype).removeprefix("torch.")
+    return compile_for_hopper(program, fast_math=True)
 
 
 def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma: torch.Tensor,
@@ -180,7 +173,7 @@ def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma: torc
     """(o, final_state, chunk_states or None) on flattened inputs.
 
     q, k: [T, Hqk, K]; v: [T, Hv, V]; gamma (fp32 chunk-local cumsum): [T, Hv];
-    gated_inverse, scores: [T, Hv, 64] from inverse.gated_products; initial_state: [N, Hv, K, V] fp32 or None; cu_seqlens: int32 [N+1];
+    gated_inverse, scores: [T, Hv, 64] from gated_products.gated_products; initial_state: [N, Hv, K, V] fp32 or None; cu_seqlens: int32 [N+1];
     pieces, walk_start: from chunk_plan.plan_pieces / walk_starts. store_chunk_states: also return the
     state entering every chunk, [num_chunks, Hv, K, V] in v's dtype (chunk c of sequence n at row
     offsets[n] + c); in a split sequence each piece's states come from its own (warm-up) walk.
@@ -203,7 +196,7 @@ def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma: torc
         total_chunks = int(offsets[-1].item()) if num_chunks is None else num_chunks
     states = torch.empty(max(total_chunks, 1), num_v_heads, head_dim, head_dim, dtype=v.dtype, device=device)
     o = torch.empty_like(v)
-    kernel = compile_fused_forward(value_block, _dtype_name(v), head_dim, store_chunk_states)
+    kernel = compile_fused_forward(value_block, dtype_name(v), head_dim, store_chunk_states)
     kernel(q, k, v, gamma, gated_inverse, scores, initial_state, cu_seqlens, offsets, pieces, walk_start, o, final_state,
            states, float(scale), int(use_initial_state))
     return o, final_state, (states if store_chunk_states else None)

@@ -1,36 +1,32 @@
-"""inverse.gated_products for Hv / Hqk <= 8: one CTA per (chunk, qk head) serving its whole value-head group.
+"""The gated products for Hv / Hqk <= 8: one CTA per (chunk, qk head) serving its whole value-head group.
 
-Same outputs as inverse.gated_products_program (bf16 [T, Hv, 64] each):
+Same outputs as the per-value-head kernel of gated_products.py (bf16 [T, Hv, 64] each):
 
     gated_inverse = Gm * A~ * beta_col,   A~ = (I + StrictLower(diag(beta) K K^T))^-1
     scores        = scale * Gm * tril(Q K^T)
 
-What changes (docs/kernel-notes.md, "Grouped products candidate"):
+What changes (docs/kernel-notes.md, "Grouped products"):
 - k and q are loaded, and K K^T and Q K^T computed, once per qk head instead of once per value
   head; the decays and betas of the whole group are loaded in one pass.
 - Scores for every head of the group first (only Q K^T held), then the solves (only K K^T held).
 - The solve has no serial shared-memory steps: each of 64 threads solves one column of one 16x16
   diagonal block in registers (D = blockdiag of the four inverses); then, with
   N = D * StrictBlockLower(L), A~ = D - N A~ is reached exactly by three steps Y <- D - N Y from
-  Y = D (N^4 = 0), one tf32 mma product each. The diagonal blocks of N Y are exactly zero, so each
+  Y = D (N^4 = 0; docs/gdn-math.md §2.5), one tf32 mma product each. The diagonal blocks of N Y are exactly zero, so each
   step rewrites only the off-diagonal blocks of Y.
 - ~53 KB of shared memory (k and q share their space with the solve's buffers), 3 CTAs per SM.
 - On request it also stores A~ itself, which the backward needs (saves recomputing it there).
 
 No T.Pipelined loop: every load is a plain synchronous copy, so there is no producer to race with.
-The default since the H200 run of 2026-11-30 (1.38-1.46x faster than the per-value-head kernel).
 """
 
 import functools
 
-import tilelang
 import tilelang.language as T
 
-from flashqla.hopper.chunk_plan import CHUNK_SIZE
-from flashqla.hopper.cumsum import HOPPER_TARGET
+from flashqla.hopper.common import CHUNK_SIZE, HEAD_DIM, LOG2E, compile_for_hopper
 
 _THREADS = 128
-_LOG2E = 1.4426950408889634
 _C = CHUNK_SIZE
 _BLOCK = 16
 _BLOCKS = _C // _BLOCK
@@ -43,7 +39,7 @@ MIN_BLOCKS_PER_SM = 3
 MAX_GROUP_SIZE = 8
 
 
-def grouped_products_program(head_dim: int = 128, dtype: str = "bfloat16", beta_dtype: str = "float32",
+def grouped_products_program(head_dim: int = HEAD_DIM, dtype: str = "bfloat16", beta_dtype: str = "float32",
                              min_blocks_per_sm: int = MIN_BLOCKS_PER_SM, write_inverse: bool = False):
     """min_blocks_per_sm caps registers for that many resident CTAs (4: 128 registers, ~112 bytes
     spilled; 3: 168, none); the device test times both. write_inverse: also store the gate-free
@@ -106,7 +102,7 @@ def grouped_products_program(head_dim: int = 128, dtype: str = "bfloat16", beta_
             for member, t in T.Parallel(MAX_GROUP_SIZE, _C):
                 in_group = (member < group_size) & (t < length)
                 gamma_group[member, t] = T.if_then_else(
-                    in_group, gamma[start + t, qk_head * group_size + member], 0.0) * _LOG2E
+                    in_group, gamma[start + t, qk_head * group_size + member], 0.0) * LOG2E
                 beta_group[member, t] = T.if_then_else(
                     in_group, T.cast(beta[start + t, qk_head * group_size + member], "float32"), 0.0)
             T.gemm(k_shared, k_shared, gram, transpose_B=True, clear_accum=True)
@@ -188,8 +184,7 @@ def grouped_products_program(head_dim: int = 128, dtype: str = "bfloat16", beta_
 
 
 @functools.lru_cache(maxsize=None)
-def compile_grouped_products(head_dim: int = 128, dtype: str = "bfloat16", beta_dtype: str = "float32",
+def compile_grouped_products(head_dim: int = HEAD_DIM, dtype: str = "bfloat16", beta_dtype: str = "float32",
                              min_blocks_per_sm: int = MIN_BLOCKS_PER_SM, write_inverse: bool = False):
     program = grouped_products_program(head_dim, dtype, beta_dtype, min_blocks_per_sm, write_inverse)
-    return tilelang.compile(program, target=HOPPER_TARGET,
-                            pass_configs={tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True})
+    return compile_for_hopper(program, fast_math=True)

@@ -1,9 +1,8 @@
-"""The public op's contract: backend choice, and a clear error for every bad input."""
+"""The public op's contract: backend choice (flashqla/backends.py), and a clear error for every bad input."""
 import pytest
 import torch
 
-from flashqla import chunk_gated_delta_rule
-from flashqla.api import resolve_backend
+from flashqla import backends, chunk_gated_delta_rule
 from flashqla.testing import random_inputs
 
 
@@ -19,17 +18,49 @@ def test_auto_runs_torch_on_cpu_and_matches_explicit_torch():
     o_auto, s_auto = chunk_gated_delta_rule(**inputs, output_final_state=True)
     o_torch, s_torch = chunk_gated_delta_rule(**inputs, output_final_state=True, backend="torch")
     assert torch.equal(o_auto, o_torch) and torch.equal(s_auto, s_torch)
-    assert resolve_backend("auto", inputs["q"], inputs["v"]) == "torch"
+    assert backends.select("auto", inputs["q"], inputs["v"]).name == "torch"
 
 
-def test_env_var_overrides_auto(monkeypatch):
+def test_the_environment_does_not_choose(monkeypatch):
+    """The old process-wide switches are gone: only the arguments decide."""
     q = torch.zeros(1, 1, 1, 8)
     monkeypatch.setenv("FLASHQLA_BACKEND", "fla")
-    assert resolve_backend("auto", q, q) == "fla"
-    assert resolve_backend("torch", q, q) == "torch"  # an explicit choice wins
-    monkeypatch.setenv("FLASHQLA_BACKEND", "cuda")
-    with pytest.raises(ValueError, match="FLASHQLA_BACKEND.*'cuda'"):
-        resolve_backend("auto", q, q)
+    assert backends.select("auto", q, q).name == "torch"
+
+
+def test_auto_takes_the_first_backend_by_priority_that_verifies(monkeypatch):
+    """tilelang first where its verifier accepts; passing over a backend this machine offers warns
+    once with the verifier's reason; one it does not offer (no GPU here) passes silently."""
+    import warnings
+
+    def fake_hopper(offered):
+        return backends.Backend("tilelang", 0, lambda device: None if offered else "needs a CUDA GPU",
+                                lambda q, v: None if q.shape[-1] == 128 else f"needs K = V = 128, got K={q.shape[-1]}",
+                                backends.REGISTRY["tilelang"].run)
+
+    order = backends._AUTO_ORDER
+    monkeypatch.setattr(backends, "_AUTO_ORDER", [fake_hopper(True), order[1]])
+    assert backends.select("auto", torch.zeros(1, 1, 1, 128), torch.zeros(1, 1, 1, 128)).name == "tilelang"
+    with pytest.warns(UserWarning, match="backend 'tilelang' needs K = V = 128, got K=8; backend='auto' runs 'torch'"):
+        assert backends.select("auto", torch.zeros(1, 1, 1, 8), torch.zeros(1, 1, 1, 8)).name == "torch"
+    monkeypatch.setattr(backends, "_AUTO_ORDER", [fake_hopper(False), order[1]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert backends.select("auto", torch.zeros(1, 1, 1, 16), torch.zeros(1, 1, 1, 16)).name == "torch"
+
+
+def test_fla_is_only_run_when_named():
+    assert backends.REGISTRY["fla"].priority is None
+    assert all(b.name != "fla" for b in backends._AUTO_ORDER)
+
+
+def test_backend_unavailable_reason_on_this_machine():
+    cpu = torch.device("cpu")
+    assert backends.backend_unavailable_reason("auto", cpu) is None
+    assert backends.backend_unavailable_reason("torch", cpu) is None
+    assert backends.backend_unavailable_reason("tilelang", cpu) == "backend 'tilelang' needs a CUDA GPU, got device cpu"
+    assert backends.backend_unavailable_reason("fla", cpu).startswith("backend 'fla' needs a CUDA GPU")
+    assert backends.backend_unavailable_reason("triton", cpu) == f"expected one of {backends.BACKENDS}"
 
 
 def test_final_state_only_when_asked():
@@ -38,9 +69,9 @@ def test_final_state_only_when_asked():
 
 
 def test_explicit_gpu_backends_refuse_cpu_tensors():
-    with pytest.raises(ValueError, match="backend='tilelang'.*cpu"):
+    with pytest.raises(ValueError, match="backend='tilelang' needs a CUDA GPU, got device cpu"):
         chunk_gated_delta_rule(**small(), backend="tilelang")
-    with pytest.raises(ValueError, match="backend='fla'.*cpu"):
+    with pytest.raises(ValueError, match="backend='fla' needs a CUDA GPU, got device cpu"):
         chunk_gated_delta_rule(**small(), backend="fla")
     with pytest.raises(ValueError, match="backend must be one of"):
         chunk_gated_delta_rule(**small(), backend="triton")
@@ -120,20 +151,17 @@ def test_host_offsets_are_what_the_kernels_plan_from(monkeypatch):
 
 
 def test_the_forwards_kept_tensors_reach_the_backward(monkeypatch):
-    """By default the backward gets the very tensors the forward made; inside recompute_for_backward()
-    None; and a forward under no_grad keeps nothing (no backward will read it)."""
-    import contextlib
-
-    import flashqla
-    from flashqla import api, hopper
-    from flashqla.hopper import backward as backward_module
+    """By default the backward gets the very tensors the forward made; with keep_for_backward=False
+    None; and a forward that autograd will not differentiate keeps nothing (no backward reads it).
+    Stand-in kernels, no GPU."""
+    from flashqla.hopper import autograd, backward, forward
 
     made, received, asked = [], [], []
 
     def fake_forward(q, k, v, *args, keep_for_backward=False, **kwargs):
         asked.append(keep_for_backward)
-        kept = hopper.KeptForward(torch.zeros(4, 1), torch.full((4, 1, 64), 2.0), torch.full((4, 1, 64), 3.0),
-                                  None, torch.ones(1, 1, 8, 8))
+        kept = forward.KeptForward(torch.zeros(4, 1), torch.full((4, 1, 64), 2.0), torch.full((4, 1, 64), 3.0),
+                                   None, torch.ones(1, 1, 8, 8))
         made.append(kept)
         return (v * 1.0, None, kept) if keep_for_backward else (v * 1.0, None)
 
@@ -141,20 +169,18 @@ def test_the_forwards_kept_tensors_reach_the_backward(monkeypatch):
         received.append(kept)
         return (torch.zeros_like(q), torch.zeros_like(k), d_o, torch.zeros_like(g), torch.zeros_like(beta), None)
 
-    monkeypatch.setattr(hopper, "forward", fake_forward)
-    monkeypatch.setattr(backward_module, "backward", fake_backward)
+    monkeypatch.setattr(forward, "forward", fake_forward)
+    monkeypatch.setattr(backward, "backward", fake_backward)
     q, k = torch.randn(1, 4, 1, 8), torch.randn(1, 4, 1, 8)
     g, beta = torch.zeros(1, 4, 1), torch.ones(1, 4, 1)
     for keep in (True, False):
         v = torch.randn(1, 4, 1, 8, requires_grad=True)
-        with contextlib.nullcontext() if keep else flashqla.recompute_for_backward():
-            o, _ = api.HopperGatedDeltaRule.apply(q, k, v, g, beta, 1.0, None, False, None, None,
-                                                  api._keep_forward(q, k, v, g, beta))
+        o, _ = autograd.chunk_gated_delta_rule_hopper(q, k, v, g, beta, 1.0, None, False, False, None, None, keep)
         o.sum().backward()
-    assert isinstance(received[0], hopper.KeptForward)
+    assert isinstance(received[0], forward.KeptForward)
     assert all(a is b for a, b in zip(received[0], made[0]))
     assert received[1] is None
     with torch.no_grad():
-        assert not api._keep_forward(q, k, v, g, beta)
-    assert api._keep_forward(q, k, v, g, beta)  # the block above closed
-    assert asked == [True, False]
+        autograd.chunk_gated_delta_rule_hopper(q, k, v, g, beta, 1.0, None, False, False, None, None, True)
+    autograd.chunk_gated_delta_rule_hopper(q, k, v.detach(), g, beta, 1.0, None, False, False, None, None, True)
+    assert asked == [True, False, False, False]

@@ -1,12 +1,13 @@
-"""The backward_pieces candidate (flashqla/hopper/candidates.py): the state-gradient walk runs in the
-forward plan's pieces, each CTA starting from a decay-truncated warm-up after its piece
-(chunk_plan.walk_ends), instead of one CTA per whole sequence.
+"""The state-gradient walk in pieces (`hopper.backward(..., state_grads_in_pieces=True)`, not yet run
+on a GPU, so the public op never asks for it): the walk runs in the forward plan's pieces, each CTA
+starting from a decay-truncated warm-up after its piece (chunk_plan.walk_ends), instead of one CTA
+per whole sequence.
 
-Run on an H200 with `pytest -m gpu -s` (tools/device_session.sh's `candidates` part). What decides:
+Run on an H200 with `pytest -m gpu` (tools/device_session.sh's `unverified` part). What decides:
 with the exact threshold (-inf) the pieces give bitwise the whole-sequence walk's state gradients;
 with the default threshold every gradient stays within the float64 tolerance on sequences the planner
-cuts (strong decay, heads that never decay, h0 on and off, several sequences), deterministic; and
-the timing test shows the backward faster where the heads are few.
+cuts (strong decay, heads that never decay, h0 on and off, several sequences), deterministic. Whether
+it is faster: `python -m flashqla.bench --compare backward_pieces`.
 """
 import pytest
 import torch
@@ -23,25 +24,23 @@ CUT_CASES = {"2_8_32768": ((2, 8), [32768]), "2_8_28672+4096": ((2, 8), [28672, 
              "16_16_65536": ((16, 16), [65536])}
 
 
-def backward_with(inputs, do, dht, pieces: bool, poison: bool = True):
-    from flashqla.hopper import candidates
+def backward_with(inputs, do, dht, pieces: bool, kept=None):
     from flashqla.hopper.backward import backward
 
-    if poison:  # NaN in every free block, so unwritten outputs show
-        poison_allocator()
-    with candidates.use(*(("backward_pieces",) if pieces else ())):
-        return backward(inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"], SCALE,
-                        inputs["initial_state"], inputs["cu_seqlens"], do, dht)
+    poison_allocator()  # NaN in every free block, so unwritten outputs show
+    return backward(inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"], SCALE,
+                    inputs["initial_state"], inputs["cu_seqlens"], do, dht, kept=kept, state_grads_in_pieces=pieces)
 
 
 def _plan_and_gamma(inputs):
-    from flashqla import hopper
     from flashqla.hopper.chunk_plan import device_sm_count, plan_forward
+    from flashqla.hopper.cumsum import chunk_local_cumsum
+    from flashqla.hopper.fused_forward import MAX_VALUE_BLOCK
 
     num_tokens, num_v_heads = inputs["g"].shape[1:]
     cu = inputs["cu_seqlens"]
-    plan = plan_forward(cu, num_v_heads, 128, device_sm_count(cu.device), hopper.MAX_VALUE_BLOCK)
-    gamma = hopper.chunk_local_cumsum(inputs["g"], cu, chunk_index=plan.chunk_index).view(num_tokens, num_v_heads)
+    plan = plan_forward(cu, num_v_heads, 128, device_sm_count(cu.device), MAX_VALUE_BLOCK)
+    gamma = chunk_local_cumsum(inputs["g"], cu, chunk_index=plan.chunk_index).view(num_tokens, num_v_heads)
     return plan, gamma
 
 
@@ -51,7 +50,7 @@ def test_exact_pieces_give_bitwise_the_whole_sequence_walk(case):
     whole-sequence walk's steps for its own chunks: the same bits."""
     from flashqla.hopper.backward_state_grads import state_gradients
     from flashqla.hopper.chunk_plan import walk_ends
-    from flashqla.hopper.inverse import gated_products
+    from flashqla.hopper.gated_products import gated_products
 
     heads, lengths = CUT_CASES[case]
     inputs, do, dht = make_backward_inputs(lengths, *heads, True, strong_decay=True)
@@ -93,43 +92,16 @@ def test_backward_in_pieces_stays_close_to_the_whole_walk_and_is_deterministic()
 
 
 @pytest.mark.parametrize("case", ["2_8_28672+4096", "4_16_ragged"])
-def test_public_op_with_kept_forward_and_pieces_matches_float64(case):
-    """How training runs it: the forward keeps its tensors (the default), the backward walks in pieces."""
-    import flashqla
-    from flashqla.hopper import candidates
+def test_kept_forward_with_pieces_matches_float64(case):
+    """How training would run it: the forward keeps its tensors (the public op's default), the
+    backward walks in pieces."""
+    from flashqla.hopper.forward import forward
 
     heads, lengths = CUT_CASES[case]
     inputs, do, dht = make_backward_inputs(lengths, *heads, True, strong_decay=True)
-    names = ("q", "k", "v", "g", "beta", "initial_state")
-    leaves = [inputs[n].clone().requires_grad_() for n in names]
+    args = [inputs[n] for n in ("q", "k", "v", "g", "beta")]
     poison_allocator()
-    with candidates.use("backward_pieces"):
-        o, final_state = flashqla.chunk_gated_delta_rule(
-            *leaves[:5], initial_state=leaves[5], output_final_state=True, cu_seqlens=inputs["cu_seqlens"],
-            backend="tilelang")
-        torch.autograd.backward((o, final_state), (do, dht))
-    grads = [leaf.grad for leaf in leaves]
+    _, _, kept = forward(*args, SCALE, inputs["initial_state"], True, inputs["cu_seqlens"], keep_for_backward=True)
+    grads = backward_with(inputs, do, dht, pieces=True, kept=kept)
     assert all(torch.isfinite(grad).all() for grad in grads)
     assert_close_to_reference(grads, float64_gradients(inputs, do, dht))
-
-
-@pytest.mark.parametrize("heads,lengths", [((16, 16), [131072]), ((2, 8), [131072]), ((16, 16), [32768])],
-                         ids=["16_16_131072", "2_8_131072", "16_16_32768"])
-def test_backward_pieces_time(heads, lengths):
-    """Prints do_bench medians of the backward with and without the candidate (run with -s), on the
-    bench's inputs: every head decays (a head that never decays walks its whole sequence either way)."""
-    from triton.testing import do_bench
-
-    from flashqla.bench import make_inputs
-
-    inputs = make_inputs(heads, lengths)
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    do = torch.randn(inputs["v"].shape, generator=gen, device="cuda").to(torch.bfloat16)
-    dht = torch.randn(inputs["initial_state"].shape, generator=gen, device="cuda")
-    times = {}
-    for name, pieces in (("whole", False), ("pieces", True)):
-        times[name] = do_bench(lambda: backward_with(inputs, do, dht, pieces, poison=False), warmup=10, rep=200,
-                               return_mode="median")
-    print(f"\nbackward {heads[0]}/{heads[1]} {'+'.join(map(str, lengths))}: whole-sequence walk "
-          f"{times['whole']:.3f} ms, in pieces {times['pieces']:.3f} ms ({times['whole'] / times['pieces']:.2f}x)")
-    assert times["pieces"] < times["whole"]

@@ -1,4 +1,4 @@
-"""GPU tests of the TileLang forward kernels (flashqla/hopper) against the float64 references.
+"""GPU tests of the TileLang forward (flashqla/hopper/forward.py and its kernels) against the float64 references.
 
 Needs an SM90 GPU: skipped elsewhere. Grid: head layouts x lengths (tests/flashqla/hopper_grid.py) x initial state.
 """
@@ -14,12 +14,12 @@ pytestmark = pytest.mark.gpu
 if not on_hopper:
     pytest.skip("needs an SM90 (Hopper) GPU", allow_module_level=True)
 
-from flashqla import hopper  # noqa: E402  (imports tilelang; only where the kernels can run)
+from flashqla.hopper.forward import forward  # noqa: E402  (imports tilelang; only where the kernels can run)
 
 
 def run_forward(inputs):
     poison_allocator()
-    return hopper.forward(inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"], None,
+    return forward(inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"], None,
                           inputs["initial_state"], True, inputs["cu_seqlens"])
 
 
@@ -102,7 +102,7 @@ def test_chunk_states_transition_composes():
 def test_rejects_other_head_dims():
     inputs = make_inputs([128], 2, 8, with_initial_state=False)
     with pytest.raises(ValueError, match="K = V = 128"):
-        hopper.forward(inputs["q"][..., :64], inputs["k"][..., :64], inputs["v"], inputs["g"], inputs["beta"],
+        forward(inputs["q"][..., :64], inputs["k"][..., :64], inputs["v"], inputs["g"], inputs["beta"],
                        None, None, False, inputs["cu_seqlens"])
 
 
@@ -114,7 +114,7 @@ def test_split_sequences_exact_and_truncated(lengths):
     ref_o, ref_state = float64_reference(inputs)
     for threshold in (float("-inf"), -10.0):
         poison_allocator()
-        o, final_state = hopper.forward(inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"], None,
+        o, final_state = forward(inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"], None,
                                         inputs["initial_state"], True, inputs["cu_seqlens"],
                                         log_decay_threshold=threshold)
         assert relative_error(o, ref_o) <= TOLERANCE, threshold

@@ -1,12 +1,10 @@
-"""The forward keeps gamma, A~, Ab, P and the state entering every chunk (hopper.KeptForward) and the
-backward recomputes none of them (the default since the H200 run of 2026-11-30;
-flashqla.recompute_for_backward() turns it off).
+"""The forward keeps gamma, A~, Ab, P and the state entering every chunk (forward.KeptForward) and the
+backward recomputes none of them (the public op's default; keep_for_backward=False turns it off).
 
-Checked: the kept tensors agree with what the backward would recompute, the gradients stay within
-the float64 tolerance on the grid (ragged, split sequences, strong decay, a head group too large for
-the grouped products kernel, float16, the public op under both kinds of checkpointing), and the
-timing test (`pytest -s` prints it) shows forward + backward faster. The memory cost is about
-T * Hv * 900 bytes of saved tensors.
+Checked: the kept tensors agree with what the backward would recompute, and the gradients stay
+within the float64 tolerance on the grid (ragged, split sequences, strong decay, a head group too
+large for the grouped products kernel, float16, the public op under both kinds of checkpointing).
+How much faster it is: `python -m flashqla.bench --compare keep_forward`.
 """
 import pytest
 import torch
@@ -20,14 +18,14 @@ ARGS = ("q", "k", "v", "g", "beta")
 
 
 def forward_then_backward(inputs, do, dht):
-    """Gradients through hopper.forward(keep_for_backward=True) and the backward that takes them,
+    """Gradients through forward(keep_for_backward=True) and the backward that takes them,
     with NaN in every free block beforehand so that anything left unwritten shows."""
-    from flashqla import hopper
     from flashqla.hopper.backward import backward
+    from flashqla.hopper.forward import forward
 
     args = [inputs[n] for n in ARGS]
     poison_allocator()
-    _, _, kept = hopper.forward(*args, SCALE, inputs["initial_state"], True, inputs["cu_seqlens"],
+    _, _, kept = forward(*args, SCALE, inputs["initial_state"], True, inputs["cu_seqlens"],
                                 keep_for_backward=True)
     return backward(*args, SCALE, inputs["initial_state"], inputs["cu_seqlens"], do, dht, kept=kept)
 
@@ -40,9 +38,9 @@ def test_kept_forward_gradients_match_float64(heads, lengths):
     per-value-head products kernel, which keeps no A~ (the backward recomputes it)."""
     inputs, do, dht = make_backward_inputs(lengths, *heads, True, strong_decay=True)
     if heads == (1, 16):
-        from flashqla import hopper
+        from flashqla.hopper.forward import forward
 
-        _, _, kept_tensors = hopper.forward(*(inputs[n] for n in ARGS), SCALE, inputs["initial_state"], True,
+        _, _, kept_tensors = forward(*(inputs[n] for n in ARGS), SCALE, inputs["initial_state"], True,
                                             inputs["cu_seqlens"], keep_for_backward=True)
         assert kept_tensors.inverse is None  # the per-value-head products kernel writes no A~
     kept = forward_then_backward(inputs, do, dht)
@@ -53,19 +51,21 @@ def test_kept_forward_gradients_match_float64(heads, lengths):
 
 @pytest.mark.parametrize("heads", [(16, 64), (2, 8)], ids=["16_64", "2_8"])
 def test_kept_tensors_match_the_backwards_recomputation(heads):
-    from flashqla import hopper
     from flashqla.hopper.chunk_plan import chunk_indices
     from flashqla.hopper.chunk_states import chunk_states
-    from flashqla.hopper.inverse import gate_free_inverse, gated_products
+    from flashqla.hopper.cumsum import chunk_local_cumsum
+    from flashqla.hopper.forward import forward
+    from flashqla.hopper.gated_products import gated_products
+    from flashqla.hopper.inverse import gate_free_inverse
     from flashqla.testing import relative_error
 
     inputs = make_inputs(RAGGED + [8192], *heads, True, seed=3)
     num_tokens, num_v_heads = inputs["g"].shape[1:]
-    _, _, kept = hopper.forward(*(inputs[n] for n in ARGS), SCALE, inputs["initial_state"], True,
-                                inputs["cu_seqlens"], keep_for_backward=True)
+    _, _, kept = forward(*(inputs[n] for n in ARGS), SCALE, inputs["initial_state"], True,
+                         inputs["cu_seqlens"], keep_for_backward=True)
     cu = inputs["cu_seqlens"]
     index = chunk_indices(cu)
-    gamma = hopper.chunk_local_cumsum(inputs["g"], cu, chunk_index=index).view_as(kept.gamma)
+    gamma = chunk_local_cumsum(inputs["g"], cu, chunk_index=index).view_as(kept.gamma)
     assert torch.equal(kept.gamma, gamma)
     gated_inverse, scores, _ = gated_products(inputs["q"][0], inputs["k"][0], gamma, inputs["beta"][0], SCALE, cu, index)
     # (a differently compiled kernel variant: equal up to rounding, not necessarily bitwise)
@@ -93,8 +93,6 @@ def test_kept_forward_is_bitwise_deterministic():
 
 
 def test_public_op_with_kept_forward_under_checkpointing():
-    import contextlib
-
     import flashqla
     from flashqla.testing import relative_error
     from torch.utils.checkpoint import checkpoint
@@ -107,12 +105,12 @@ def test_public_op_with_kept_forward_under_checkpointing():
 
         def op(q, k, v, g, beta, h0):
             return flashqla.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
-                                                   cu_seqlens=inputs["cu_seqlens"], backend="tilelang")
+                                                   cu_seqlens=inputs["cu_seqlens"], backend="tilelang",
+                                                   keep_for_backward=keep)
 
-        with contextlib.nullcontext() if keep else flashqla.recompute_for_backward():
-            o, final_state = checkpoint(op, *leaves, use_reentrant=reentrant)
-            loss = (o.float() * do.float()).sum() + (final_state * dht).sum()
-            loss.backward()  # a reentrant checkpoint refuses torch.autograd.grad
+        o, final_state = checkpoint(op, *leaves, use_reentrant=reentrant)
+        loss = (o.float() * do.float()).sum() + (final_state * dht).sum()
+        loss.backward()  # a reentrant checkpoint refuses torch.autograd.grad
         return [leaf.grad for leaf in leaves]
 
     recomputed = grads(False, False)
@@ -122,30 +120,3 @@ def test_public_op_with_kept_forward_under_checkpointing():
         for name, a, b in zip(names, kept, recomputed):
             assert relative_error(a, b) <= 1e-2, (reentrant, name)
         assert all(relative_error(a, r) <= TOLERANCE for a, r in zip(kept, reference))
-
-
-@pytest.mark.parametrize("heads", [(16, 64), (2, 8)], ids=["16_64", "2_8"])
-def test_kept_forward_time(heads):
-    """Prints do_bench medians of forward + backward through the public op, kept and recomputed (run with -s)."""
-    import contextlib
-
-    from triton.testing import do_bench
-
-    import flashqla
-
-    inputs, do, dht = make_backward_inputs([32768], *heads, True)
-    leaves = [inputs[n].clone().requires_grad_() for n in ARGS + ("initial_state",)]
-
-    def step():
-        o, final_state = flashqla.chunk_gated_delta_rule(
-            *leaves[:5], initial_state=leaves[5], output_final_state=True, cu_seqlens=inputs["cu_seqlens"],
-            cu_seqlens_cpu=inputs["cu_seqlens"].cpu(), backend="tilelang")
-        torch.autograd.backward((o, final_state), (do, dht))
-
-    times = {}
-    for name, block in (("recomputed", flashqla.recompute_for_backward), ("kept", contextlib.nullcontext)):
-        with block():
-            times[name] = do_bench(step, warmup=10, rep=300, return_mode="median", grad_to_none=leaves)
-    print(f"\nforward + backward {heads[0]}/{heads[1]} 1x32768: recomputed {times['recomputed']:.3f} ms, "
-          f"kept {times['kept']:.3f} ms ({times['recomputed'] / times['kept']:.2f}x)")
-    assert times["kept"] < times["recomputed"]

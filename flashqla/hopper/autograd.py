@@ -1,0 +1,58 @@
+"""The "tilelang" backend's runner: the Hopper forward and backward entries joined for autograd.
+
+The kernel modules are imported inside forward and backward: this module, and the backend
+registry that names it, import without tilelang.
+"""
+import torch
+
+from flashqla.reference import l2_normalize
+
+
+def chunk_gated_delta_rule_hopper(q, k, v, g, beta, scale, initial_state, output_final_state,
+                                  use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_host, keep_for_backward):
+    """(o, final_state or None) for inputs the public op has checked (scale resolved, cu_seqlens_host
+    the offsets as a list or None). keep_for_backward: let the forward keep its intermediates for
+    the backward, which they are only when autograd will run one (see keeps_for_backward)."""
+    if use_qk_l2norm_in_kernel:
+        q, k = l2_normalize(q), l2_normalize(k)
+    keep = keep_for_backward and keeps_for_backward(q, k, v, g, beta, initial_state)
+    return ChunkGatedDeltaRuleFunction.apply(q, k, v, g, beta, scale, initial_state, output_final_state,
+                                             cu_seqlens, cu_seqlens_host, keep)
+
+
+def keeps_for_backward(*inputs) -> bool:
+    """Whether autograd will run a backward through these inputs, so that tensors kept for it are
+    read: asked before Function.apply (inside Function.forward grad mode is always off, and
+    needs_input_grad ignores no_grad)."""
+    return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs)
+
+
+class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
+    """Saves the inputs and, when `keep`, the forward's gamma, A~, Ab, P and chunk states
+    (forward.KeptForward), which the backward then does not recompute."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_host,
+                keep=False):
+        from flashqla.hopper import forward
+
+        o, final_state, *kept = forward.forward(
+            q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_host=cu_seqlens_host,
+            keep_for_backward=keep,
+        )
+        ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, *(kept[0] if keep else ()))
+        ctx.scale = scale
+        ctx.cu_seqlens_host = cu_seqlens_host
+        return o, final_state
+
+    @staticmethod
+    def backward(ctx, d_o, d_final_state):
+        from flashqla.hopper import backward, forward
+
+        q, k, v, g, beta, initial_state, cu_seqlens, *kept = ctx.saved_tensors
+        dq, dk, dv, dg, dbeta, dh0 = backward.backward(
+            q, k, v, g, beta, ctx.scale, initial_state, cu_seqlens, d_o, d_final_state,
+            cu_seqlens_host=ctx.cu_seqlens_host, kept=forward.KeptForward(*kept) if kept else None,
+        )
+        dh0 = dh0 if initial_state is not None else None
+        return dq, dk, dv, dg, dbeta, None, dh0, None, None, None, None

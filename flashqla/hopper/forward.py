@@ -1,0 +1,86 @@
+"""The forward's entry: o and the final state from the kernels, in the order they run.
+
+1. `cumsum.py`: gamma, the chunk-local cumsum of g.
+2. `gated_products.py`: Ab and P of every chunk, in parallel (the grouped kernel of
+   `grouped_products.py` wherever Hv / Hqk <= 8); with `keep_for_backward` also A~.
+3. `chunk_plan.py`: the pieces each CTA walks (cached per cu_seqlens) and, for pieces that do not
+   start their sequence, where each head's warm-up starts (docs/gdn-math.md §4).
+4. `fused_forward.py`: the sequential walk over the chunks: o, the final state and, with
+   `keep_for_backward`, the state entering every chunk.
+"""
+from typing import NamedTuple
+
+import torch
+
+from flashqla.hopper.chunk_plan import device_sm_count, flat_cu_seqlens, plan_forward, walk_starts
+from flashqla.hopper.common import DEFAULT_LOG_DECAY_THRESHOLD, unsupported_inputs
+from flashqla.hopper.cumsum import chunk_local_cumsum
+from flashqla.hopper.fused_forward import MAX_VALUE_BLOCK, fused_forward
+from flashqla.hopper.gated_products import gated_products
+
+
+class KeptForward(NamedTuple):
+    """What the forward can hand the backward so that it recomputes nothing but the state gradients
+    (`forward(..., keep_for_backward=True)`): T * Hv * (3 * 128 + 4) bytes plus one state per chunk
+    and value head (T * Hv * 512 bytes) in the inputs' dtype."""
+
+    gamma: torch.Tensor           # float32 [T, Hv]: chunk-local cumsum of g
+    gated_inverse: torch.Tensor   # [T, Hv, 64]: Ab
+    scores: torch.Tensor          # [T, Hv, 64]: P
+    inverse: torch.Tensor | None  # [T, Hv, 64]: A~ (None where the per-value-head products kernel ran)
+    chunk_states: torch.Tensor    # [num_chunks, Hv, 128, 128]: the state entering every chunk
+
+
+def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+            log_decay_threshold: float = DEFAULT_LOG_DECAY_THRESHOLD, cu_seqlens_host: list[int] | None = None,
+            keep_for_backward: bool = False):
+    """(o, final_state or None) for q, k [B, T, Hqk, 128], v [B, T, Hv, 128], g, beta [B, T, Hv]
+    (q, k already L2-normalised when asked), with a KeptForward third when keep_for_backward.
+
+    log_decay_threshold: how far a piece of a split sequence may truncate the history it rebuilds
+    its entering state from (chunk_plan.walk_starts); -inf never truncates.
+    cu_seqlens_host: cu_seqlens as a Python list when the caller has already read it back; saves
+    the forward's only device->host sync.
+    keep_for_backward: also return a KeptForward, which `backward.backward(..., kept=...)` takes
+    instead of recomputing the inverse, the products and the chunk states.
+    """
+    reason = unsupported_inputs(q, v)
+    if reason is not None:
+        raise ValueError(f"flashqla.hopper.forward {reason}")
+    batch_size, seq_len, num_qk_heads, head_dim = q.shape
+    num_v_heads = v.shape[2]
+    num_tokens = batch_size * seq_len
+    if cu_seqlens is None:
+        cu_seqlens = flat_cu_seqlens(batch_size, seq_len, q.device)
+        cu_seqlens_host = [b * seq_len for b in range(batch_size + 1)]
+    cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()
+    if scale is None:
+        scale = head_dim ** -0.5
+
+    q_flat = q.reshape(num_tokens, num_qk_heads, head_dim).contiguous()
+    k_flat = k.reshape(num_tokens, num_qk_heads, head_dim).contiguous()
+    v_flat = v.reshape(num_tokens, num_v_heads, head_dim).contiguous()
+    beta_flat = beta.reshape(num_tokens, num_v_heads).contiguous()
+    if beta_flat.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        beta_flat = beta_flat.float()
+    if g.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        g = g.float()
+
+    plan = plan_forward(cu_seqlens, num_v_heads, head_dim, device_sm_count(q.device), MAX_VALUE_BLOCK,
+                        host_bounds=cu_seqlens_host)
+    gamma = chunk_local_cumsum(g.reshape(1, num_tokens, num_v_heads), cu_seqlens, chunk_index=plan.chunk_index)
+    gamma = gamma.view(num_tokens, num_v_heads)
+    gated_inverse, scores, inverse = gated_products(q_flat, k_flat, gamma, beta_flat, scale, cu_seqlens,
+                                                    plan.chunk_index, with_inverse=keep_for_backward)
+    walk = walk_starts(plan.pieces, cu_seqlens, gamma, log_decay_threshold, plan.max_walk_back,
+                       walk_index=plan.walk_index)
+    h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
+    o, final_state, chunk_states = fused_forward(
+        q_flat, k_flat, v_flat, gamma, gated_inverse, scores, scale, h0,
+        cu_seqlens, plan.value_block, plan.pieces, walk, store_chunk_states=keep_for_backward,
+        offsets=plan.chunk_offsets, num_chunks=plan.chunk_index.shape[0])
+    o = o.view(batch_size, seq_len, num_v_heads, head_dim)
+    final_state = final_state if output_final_state else None
+    if keep_for_backward:
+        return o, final_state, KeptForward(gamma, gated_inverse, scores, inverse, chunk_states)
+    return o, final_state
