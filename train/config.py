@@ -149,7 +149,7 @@ def validate_config(cfg: DictConfig) -> None:
 
 def check_environment(cfg: DictConfig) -> None:
     """What this machine must offer for the config: the GDN backends it names."""
-    from flashqla.api import backend_unavailable_reason
+    from flashqla.backends import backend_unavailable_reason
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     named = [("model.gdn_backend", cfg.model.gdn_backend)]
