@@ -186,20 +186,29 @@ def test_activation_checkpointing_gives_the_same_gradients():
         assert torch.allclose(grads[0][name], grads[1][name], rtol=1e-5, atol=1e-7), name
 
 
-def test_checkpointed_passes_make_the_same_keep_choice():
+def test_checkpointed_passes_make_the_same_keep_choice(monkeypatch):
     """A non-reentrant checkpoint needs its recomputation to save exactly the tensors its first pass
     saved: the GDN op must not keep its intermediates in one pass and not the other (an H200 run
-    with recompute_for_backward() around the first pass only failed with CheckpointError)."""
-    from flashqla import api
+    with recompute_for_backward() around the first pass only failed with CheckpointError). The
+    choice is now the op's keep_for_backward argument: every pass must pass the same one."""
+    import flashqla
+    from qwen_hybrid import layers
 
+    op = flashqla.chunk_gated_delta_rule
+    passes = []
+
+    def recording_op(*args, keep_for_backward=True, **kwargs):
+        passes.append(keep_for_backward)
+        return op(*args, keep_for_backward=keep_for_backward, **kwargs)
+
+    monkeypatch.setattr(layers.flashqla, "chunk_gated_delta_rule", recording_op)
     model = tiny_model(seed=5)
     model.set_activation_checkpointing(True)
-    passes = []
-    for rule in (m for m in model.modules() if isinstance(m, GatedDeltaRule)):
-        rule.register_forward_pre_hook(lambda m, args: passes.append(api._recompute_depth))
     ids = torch.randint(0, 512, (1, 20))
     model(ids, labels=ids).loss.backward()
-    assert passes == [0, 0, 0, 0]  # two GDN layers: first pass, then recomputation
+    assert len(passes) == 4 and len(set(passes)) == 1, (
+        f"keep_for_backward per GDN call: {passes}, expected one value in 4 calls (2 layers, each run and recomputed)"
+    )
 
 
 def test_kernel_calls_go_through_parameter_free_modules():
