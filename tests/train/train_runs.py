@@ -18,7 +18,6 @@ def pretrain_env(workdir: Path) -> dict:
         WANDB_MODE="offline", WANDB_DIR=wandb_dir, WANDB_CONFIG_DIR=wandb_dir, WANDB_CACHE_DIR=wandb_dir,
         WANDB_DATA_DIR=wandb_dir, WANDB_SILENT="true", PYTHONPATH=str(REPO), TOKENIZERS_PARALLELISM="false",
     )
-    env.pop("FLASHQLA_BACKEND", None)
     return env
 
 
