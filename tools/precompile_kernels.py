@@ -40,6 +40,10 @@ MODEL_SEQ_LENS = {"1x8192": [8192], "1x131072": [131072]}
 # and one float16 case.
 TEST_HEADS = [(16, 64), (16, 32), (16, 16), (8, 24), (2, 8)]
 TEST_SEQ_LENS = {"1x4096": [4096], "ragged": [1000, 0, 64, 2047, 1, 129, 640], "1x32768": [32768]}
+# tests/flashqla/test_hopper_hard_inputs.py: (layout, lengths, with h0) of its bf16 cases.
+HARD_RAGGED = [1, 1500, 0, 64, 2047, 129, 63, 700, 0]
+HARD_CASES = [((4, 16), HARD_RAGGED, True), ((4, 16), [8192], True), ((16, 32), HARD_RAGGED, False),
+              ((16, 32), [5000, 1, 0, 3191], True), ((16, 16), HARD_RAGGED, True), ((16, 16), [8192], False)]
 
 
 def pretend_h200() -> None:
@@ -200,10 +204,10 @@ def main(argv=None) -> None:
     parser.add_argument("--merge", default=None,
                         help="cache tarball to start from (default: --out when it exists, e.g. one the device "
                              "sent back)")
-    parser.add_argument("--sets", default="bench,model,tests,compare",
+    parser.add_argument("--sets", default="bench,model,tests,hard,compare",
                         help="bench: the bench's shapes for ours, FLA and FlashQLA; model: the training runs' "
                              "head layouts for ours and FLA; tests: the GPU tests' grid and compile checks for ours; "
-                             "compare: what `flashqla.bench --compare` adds to the bench's")
+                             "hard: the hard-input GPU tests' cases; compare: what `flashqla.bench --compare` adds to the bench's")
     parser.add_argument("--shapes", default="", help="comma-separated substrings of flashqla.bench shape names")
     parser.add_argument("--skip-flashqla", action="store_true")
     parser.add_argument("--skip-ours", action="store_true")
@@ -239,6 +243,9 @@ def main(argv=None) -> None:
             # a group of 16 value heads per qk head: the per-value-head products kernel
             compile_ours([("1/16 4096", (1, 16), [4096])])
             compile_checks()
+        if "hard" in sets:
+            for heads, lens, with_h0 in HARD_CASES:
+                compile_ours([(f"hard {heads[0]}/{heads[1]} {lens}", heads, lens)], with_initial_state=with_h0)
         if "compare" in sets:
             compile_ours([("16/16 1x131072", (16, 16), [131072])])
             from flashqla.hopper.grouped_products import compile_grouped_products

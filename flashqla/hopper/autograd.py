@@ -5,7 +5,7 @@ registry that names it, import without tilelang.
 """
 import torch
 
-from flashqla.reference import l2_normalize
+from flashqla.l2norm import l2_normalize
 
 
 def chunk_gated_delta_rule_hopper(q, k, v, g, beta, scale, initial_state, output_final_state,
