@@ -23,7 +23,6 @@ import shutil
 import signal
 import socket
 import sys
-import time
 import uuid
 from contextlib import closing
 from dataclasses import dataclass, field

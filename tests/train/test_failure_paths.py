@@ -1,13 +1,8 @@
 """What a run does when things go wrong: config and environment errors before any side effect,
-divergence, a torn metrics line, a run directory that already holds a run, and processes killed
-with SIGKILL at any moment (including during a save) resuming onto the uninterrupted loss curve."""
-import os
-import random
-import signal
+divergence, a torn metrics line, a run directory that already holds a run. (Processes killed with
+SIGKILL: tests/train/test_train.py, beside the uninterrupted run it compares with.)"""
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +11,7 @@ from hydra import compose, initialize_config_dir
 from train.checkpoint import find_resume_point
 from train.config import ConfigError
 from train.pretrain import preflight
-from train_runs import PRETRAIN, REPO, pretrain_env, run_command, smoke_overrides, step_records, torchrun_command
+from train_runs import PRETRAIN, REPO, pretrain_env, run_command, smoke_overrides, step_records
 
 
 @pytest.fixture(scope="module")
@@ -118,70 +113,3 @@ def test_torn_metrics_line_is_dropped_on_resume_and_a_rerun_needs_resume_or_over
         workdir)
     assert overwritten.returncode == 0, overwritten.stderr[-3000:]
     assert [r["step"] for r in step_records(run_dir)] == [1, 2]
-
-
-# --- SIGKILL at any moment --------------------------------------------------------------------
-
-KILL_STEPS = 10
-
-
-def _kill_run_overrides(workdir: Path, run_dir: Path, *extra: str) -> list[str]:
-    return smoke_overrides(workdir, run_dir, f"train.steps={KILL_STEPS}", "train.checkpoint_every=2",
-                           "train.keep_checkpoints=2", "logger.mode=disabled", "train.export_hf=false", *extra)
-
-
-def _start(command: list[str], workdir: Path) -> subprocess.Popen:
-    # its own session, so that one killpg reaches torchrun and both ranks at once, as a node failure would
-    return subprocess.Popen(command, cwd=REPO, env=pretrain_env(workdir), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
-
-
-def _kill_when(process: subprocess.Popen, ready, timeout: float = 240) -> bool:
-    """SIGKILL the whole process group as soon as ready() holds; False if the run ended first."""
-    deadline = time.time() + timeout
-    while time.time() < deadline and process.poll() is None:
-        if ready():
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=60)
-            return True
-        time.sleep(0.005)
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGKILL)
-        raise AssertionError("the run neither reached the kill point nor ended")
-    return False
-
-
-def _steps_logged(run_dir: Path) -> int:
-    path = run_dir / "metrics.jsonl"
-    return len(path.read_text().splitlines()) if path.exists() else 0
-
-
-@pytest.mark.slow
-def test_two_ranks_killed_at_random_moments_resume_onto_the_uninterrupted_loss_curve(workdir):
-    reference_dir, run_dir = workdir / "kill-reference", workdir / "kill"
-    command = torchrun_command(2) + [PRETRAIN]
-    reference = run_command(command + _kill_run_overrides(workdir, reference_dir), workdir)
-    assert reference.returncode == 0
-    random_step = random.Random(os.getpid()).randint(3, 6)
-    checkpoints = run_dir / "checkpoints"
-    kill_points = [
-        ("during a save", lambda: any(checkpoints.glob(".tmp-*"))),
-        (f"at a random moment (step {random_step})", lambda: _steps_logged(run_dir) >= random_step),
-        ("right after a save", lambda: any(checkpoints.glob("step_00000006"))),
-    ]
-    kills = []
-    for name, ready in kill_points:
-        resume = ["train.resume=auto"] if (run_dir / "metrics.jsonl").exists() else []
-        process = _start(command + _kill_run_overrides(workdir, run_dir, *resume), workdir)
-        if _kill_when(process, ready):
-            kills.append(name)
-            point = find_resume_point("auto", str(run_dir))
-            assert point is None or (checkpoints / point.tag).is_dir()
-    assert "during a save" in kills, "the kill during a save never happened: the test checked nothing there"
-    final = run_command(command + _kill_run_overrides(workdir, run_dir, "train.resume=auto"), workdir)
-    assert final.returncode == 0, final.stderr[-3000:]
-    expected, resumed = step_records(reference_dir), step_records(run_dir)
-    assert [r["step"] for r in resumed] == list(range(1, KILL_STEPS + 1)), kills
-    for a, b in zip(expected, resumed):
-        assert (a["step"], a["loss"], a["lr"], a["grad_norm"]) == (b["step"], b["loss"], b["lr"], b["grad_norm"]), kills
-    assert not list(checkpoints.glob(".tmp-*")), "a later save must clear a killed save's temporary directory"

@@ -1,13 +1,15 @@
 """The training entry point on CPU: 2-rank ZeRO-2 runs on gloo (torchrun and the deepspeed launcher),
-exact resume, SIGTERM checkpointing, metrics.jsonl / W&B offline files, per-kernel timing and the
+exact resume (after a stop, and after SIGKILL at any moment, a save included), SIGTERM checkpointing, metrics.jsonl / W&B offline files, per-kernel timing and the
 backend comparison, and config errors that name their key."""
 import json
 import math
 import os
+import random
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -125,6 +127,68 @@ def test_stop_and_resume_reproduces_the_loss_trajectory(straight_run, workdir):
     assert [r["step"] for r in resumed] == list(range(1, 9))
     for a, b in zip(straight, resumed):
         assert (a["step"], a["loss"], a["lr"], a["grad_norm"]) == (b["step"], b["loss"], b["lr"], b["grad_norm"])
+
+
+KILL_STEPS = 8  # as straight_run, whose loss curve is the uninterrupted one
+
+
+def _kill_run_overrides(workdir: Path, run_dir: Path, *extra: str) -> list[str]:
+    return smoke_overrides(workdir, run_dir, f"train.steps={KILL_STEPS}", "train.checkpoint_every=2",
+                           "train.keep_checkpoints=2", "logger.mode=disabled", "train.export_hf=false", *extra)
+
+
+def _start(command: list[str], workdir: Path) -> subprocess.Popen:
+    # its own session, so that one killpg reaches torchrun and both ranks at once, as a node failure would
+    return subprocess.Popen(command, cwd=REPO, env=pretrain_env(workdir), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def _kill_when(process: subprocess.Popen, ready, timeout: float = 240) -> bool:
+    """SIGKILL the whole process group as soon as ready() holds; False if the run ended first."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and process.poll() is None:
+        if ready():
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=60)
+            return True
+        time.sleep(0.005)
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGKILL)
+        raise AssertionError("the run neither reached the kill point nor ended")
+    return False
+
+
+def _steps_logged(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def test_two_ranks_killed_at_random_moments_resume_onto_the_uninterrupted_loss_curve(straight_run, workdir):
+    run_dir = workdir / "kill"
+    command = torchrun_command(2) + [PRETRAIN]
+    random_step = random.Random(os.getpid()).randint(3, 6)
+    checkpoints = run_dir / "checkpoints"
+    kill_points = [
+        ("during a save", lambda: any(checkpoints.glob(".tmp-*"))),
+        (f"at a random moment (step {random_step})", lambda: _steps_logged(run_dir) >= random_step),
+        ("right after a save", lambda: any(checkpoints.glob("step_00000006"))),
+    ]
+    kills = []
+    for name, ready in kill_points:
+        resume = ["train.resume=auto"] if (run_dir / "metrics.jsonl").exists() else []
+        process = _start(command + _kill_run_overrides(workdir, run_dir, *resume), workdir)
+        if _kill_when(process, ready):
+            kills.append(name)
+            point = find_resume_point("auto", str(run_dir))
+            assert point is None or (checkpoints / point.tag).is_dir()
+    assert "during a save" in kills, "the kill during a save never happened: the test checked nothing there"
+    final = run_command(command + _kill_run_overrides(workdir, run_dir, "train.resume=auto"), workdir)
+    assert final.returncode == 0, final.stderr[-3000:]
+    expected, resumed = step_records(straight_run), step_records(run_dir)
+    assert [r["step"] for r in resumed] == list(range(1, KILL_STEPS + 1)), kills
+    for a, b in zip(expected, resumed):
+        assert (a["step"], a["loss"], a["lr"], a["grad_norm"]) == (b["step"], b["loss"], b["lr"], b["grad_norm"]), kills
+    assert not list(checkpoints.glob(".tmp-*")), "a later save must clear a killed save's temporary directory"
 
 
 def test_sigterm_saves_a_checkpoint_and_stops(workdir):
