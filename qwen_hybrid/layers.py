@@ -1,9 +1,22 @@
 """The layers of the hybrid model as plain modules.
 
 Parameter names equal HF `Qwen3_5ForCausalLM`'s so the checkpoint adapter only handles prefixes.
-Every block keeps its head counts as attributes (`num_k_heads`, `num_v_heads`, `num_heads`,
-`num_kv_heads`) and derives all split sizes from them at forward time, so a model sharded by
-heads from outside only has to slice the weights and set those attributes.
+Every block reads its head counts from its projections' outputs at forward time (only the head
+dims and the value-heads-per-key-head ratio are attributes), so a model sharded by heads from
+outside only has to slice the weights.
+
+Context parallelism hooks in through one declared slot per token mixer, `head_exchange` (None:
+the block holds the whole sequence). Set (by `qwen_hybrid.parallel.context`) it is an object with
+- `size`, `rank`: the ranks sharing the sequence, and this one's place among them;
+- `to_heads(parts)`: parts [B, T/size, n_i, d_i] of this rank's token slice -> [B, T, sum_i
+  (n_i/size) * d_i], the whole sequence for head group `rank` of every part, concatenated along
+  the last dim in part order;
+- `to_tokens(x)`: [B, T, n, d] (this rank's head group) -> [B, T/size, n * size, d] (every head,
+  this rank's tokens).
+The block then runs its conv, gated delta rule or attention on whole sequences of its head group.
+
+Norms, the conv, RoPE and the decay gates compute in float32, or in float64 for float64 inputs
+(the reference checks), like the loss and the gated delta rule's torch path.
 """
 from __future__ import annotations
 
@@ -50,18 +63,27 @@ def fused(function):
     return call
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for half, bfloat16 and float32 inputs; float64 stays float64 (reference checks: a
+    float32 step there would round, and a weight gradient summed in float32 would differ with
+    how the tokens are split over ranks)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Zero-centred RMSNorm in float32: normalise, scale by (1 + weight), round once."""
-    x_float = x.float()
+    """Zero-centred RMSNorm in float32 (float64 for float64 x): normalise, scale by (1 + weight), round once."""
+    dtype = compute_dtype(x.dtype)
+    x_float = x.to(dtype)
     normed = x_float * torch.rsqrt(x_float.pow(2).mean(-1, keepdim=True) + eps)
-    return (normed * (1.0 + weight.float())).type_as(x)
+    return (normed * (1.0 + weight.to(dtype))).type_as(x)
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    x_float = x.float()
+    dtype = compute_dtype(x.dtype)
+    x_float = x.to(dtype)
     normed = (x_float * torch.rsqrt(x_float.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     # HF rounds to the input dtype before the weight and upcasts again for the gate
-    return (weight * normed * F.silu(gate.float())).to(x.dtype)
+    return (weight * normed * F.silu(gate.to(dtype))).to(x.dtype)
 
 
 _fused_rms_norm = fused(rms_norm)
@@ -99,7 +121,8 @@ def causal_conv1d_silu(x: torch.Tensor, weight: torch.Tensor, position_in_doc: t
     document (position_in_doc [T] < shift) is masked out; torch.compile fuses it into one pass.
     """
     kernel_size = weight.shape[-1]
-    x_float, taps = x.float(), weight[:, 0, :].float()
+    dtype = compute_dtype(x.dtype)
+    x_float, taps = x.to(dtype), weight[:, 0, :].to(dtype)
     out = x_float * taps[:, kernel_size - 1]
     for shift in range(1, kernel_size):
         shifted = F.pad(x_float, (0, 0, shift, 0))[:, : x.shape[1]]
@@ -124,14 +147,21 @@ class CausalConv1d(nn.Module):
         self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size))
         nn.init.kaiming_uniform_(self.weight, a=5**0.5)
 
-    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-        """x: [B, T, C] -> [B, T, C]."""
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+                channels: list[tuple[int, int]] | None = None) -> torch.Tensor:
+        """x: [B, T, C] -> [B, T, C]. `channels`: the weight rows [start, end) that x's channels
+        are, in order (a head group's under context parallelism); default all of them."""
         position_in_doc = None
         if cu_seqlens is not None:
             tokens = torch.arange(x.shape[1], device=x.device)
             starts = cu_seqlens.to(device=x.device, dtype=torch.long)
             position_in_doc = tokens - starts[torch.searchsorted(starts[1:], tokens, right=True)]
-        return recompute_in_backward(_fused_conv1d_silu, x, self.weight, position_in_doc)
+        weight = self.weight
+        if channels is not None:
+            weight = torch.cat([weight[start:end] for start, end in channels])
+        if weight.shape[0] != x.shape[-1]:
+            raise ValueError(f"x has {x.shape[-1]} channels but the conv weight rows give {weight.shape[0]}")
+        return recompute_in_backward(_fused_conv1d_silu, x, weight, position_in_doc)
 
 
 class GatedDeltaRule(nn.Module):
@@ -157,6 +187,8 @@ class GatedDeltaNet(nn.Module):
     rule (q/k L2-normalised in the op) -> gated RMSNorm with z -> out projection.
 
     `in_proj_qkv` and `conv1d` channels are laid out [q (all k heads) | k (all k heads) | v (all v heads)].
+    Value head h reads key head h // (Hv/Hk), so any contiguous range of key heads with its value
+    heads is a self-contained group (what tensor and context parallelism split by).
     """
 
     def __init__(
@@ -173,8 +205,7 @@ class GatedDeltaNet(nn.Module):
         super().__init__()
         if num_v_heads % num_k_heads != 0:
             raise ValueError(f"num_v_heads ({num_v_heads}) must be a multiple of num_k_heads ({num_k_heads})")
-        self.num_k_heads = num_k_heads
-        self.num_v_heads = num_v_heads
+        self.value_heads_per_key_head = num_v_heads // num_k_heads
         self.head_k_dim = head_k_dim
         self.head_v_dim = head_v_dim
         key_dim, value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
@@ -188,24 +219,67 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(head_v_dim, eps=eps)
         self.out_proj = nn.Linear(value_dim, hidden_size, bias=False)
         self.gated_delta_rule = GatedDeltaRule(backend)
+        self.head_exchange = None  # context parallelism (module docstring)
+
+    # Head counts this module holds, from its parameter shapes (for inspection: forward reads them
+    # from its projections' outputs, which also holds where ZeRO-3 has emptied the parameters).
+    @property
+    def num_v_heads(self) -> int:
+        return self.A_log.shape[0]
+
+    @property
+    def num_k_heads(self) -> int:
+        return self.num_v_heads // self.value_heads_per_key_head
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
                 cu_seqlens_cpu: torch.Tensor | None = None) -> torch.Tensor:
         batch, length, _ = x.shape
-        key_dim = self.num_k_heads * self.head_k_dim
-        value_dim = self.num_v_heads * self.head_v_dim
-        qkv = self.conv1d(self.in_proj_qkv(x), cu_seqlens)
+        dk, dv = self.head_k_dim, self.head_v_dim
+        qkv, b, a = self.in_proj_qkv(x), self.in_proj_b(x), self.in_proj_a(x)
+        num_v = b.shape[-1]  # the heads this rank holds (fewer under tensor parallelism)
+        num_k = num_v // self.value_heads_per_key_head
+        conv_channels, A_log, dt_bias = None, self.A_log, self.dt_bias
+        if self.head_exchange is not None:
+            qkv, b, a, conv_channels, A_log, dt_bias, num_k, num_v = self._exchange_to_heads(qkv, b, a, num_k, num_v)
+        key_dim, value_dim = num_k * dk, num_v * dv
+        qkv = self.conv1d(qkv, cu_seqlens, conv_channels)
         q, k, v = torch.split(qkv, [key_dim, key_dim, value_dim], dim=-1)
-        q = q.reshape(batch, length, self.num_k_heads, self.head_k_dim)
-        k = k.reshape(batch, length, self.num_k_heads, self.head_k_dim)
-        v = v.reshape(batch, length, self.num_v_heads, self.head_v_dim)
-        beta = torch.sigmoid(self.in_proj_b(x))
+        mixed_length = qkv.shape[1]  # the whole sequence under context parallelism
+        q = q.reshape(batch, mixed_length, num_k, dk)
+        k = k.reshape(batch, mixed_length, num_k, dk)
+        v = v.reshape(batch, mixed_length, num_v, dv)
+        beta = torch.sigmoid(b)
         # float32 so that exp(A_log) cannot overflow in half precision
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        dtype = compute_dtype(x.dtype)
+        g = -A_log.to(dtype).exp() * F.softplus(a.to(dtype) + dt_bias.to(dtype))
         o = self.gated_delta_rule(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu)
-        z = self.in_proj_z(x).reshape(batch, length, self.num_v_heads, self.head_v_dim)
-        o = self.norm(o, z).reshape(batch, length, value_dim)
+        if self.head_exchange is not None:
+            o = self.head_exchange.to_tokens(o)
+        z = self.in_proj_z(x).reshape(batch, length, -1, dv)
+        o = self.norm(o, z).reshape(batch, length, -1)
         return self.out_proj(o)
+
+    def _exchange_to_heads(self, qkv, b, a, num_k, num_v):
+        """This rank's token slice of every head -> the whole sequence of its head group, with the
+        conv rows, A_log and dt_bias of that group."""
+        exchange, dk, dv = self.head_exchange, self.head_k_dim, self.head_v_dim
+        batch, length = qkv.shape[:2]
+        q, k, v = torch.split(qkv, [num_k * dk, num_k * dk, num_v * dv], dim=-1)
+        packed = exchange.to_heads([
+            q.reshape(batch, length, num_k, dk), k.reshape(batch, length, num_k, dk),
+            v.reshape(batch, length, num_v, dv), b.unsqueeze(-1), a.unsqueeze(-1),
+        ])
+        k_here, v_here = num_k // exchange.size, num_v // exchange.size
+        first_k, first_v = exchange.rank * k_here, exchange.rank * v_here
+        key_dim = num_k * dk
+        conv_channels = [
+            (first_k * dk, (first_k + k_here) * dk),
+            (key_dim + first_k * dk, key_dim + (first_k + k_here) * dk),
+            (2 * key_dim + first_v * dv, 2 * key_dim + (first_v + v_here) * dv),
+        ]
+        qkv, b, a = torch.split(packed, [2 * k_here * dk + v_here * dv, v_here, v_here], dim=-1)
+        heads = slice(first_v, first_v + v_here)
+        return qkv, b, a, conv_channels, self.A_log[heads], self.dt_bias[heads], k_here, v_here
 
 
 class AttentionCore(nn.Module):
@@ -270,7 +344,7 @@ def _sdpa(q, k, v, scale) -> torch.Tensor:
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate the first cos.shape[-1] dims of x [B, T, H, D] (rotate-half layout)."""
     rotary_dim = cos.shape[-1]
-    x_rot, x_pass = x[..., :rotary_dim].float(), x[..., rotary_dim:]
+    x_rot, x_pass = x[..., :rotary_dim].to(compute_dtype(x.dtype)), x[..., rotary_dim:]
     cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
     half = rotary_dim // 2
     rotated = torch.cat([-x_rot[..., half:], x_rot[..., :half]], dim=-1)
@@ -292,8 +366,6 @@ class GatedAttention(nn.Module):
         super().__init__()
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         # per head: [query (head_dim) | gate (head_dim)]
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim * 2, bias=False)
@@ -303,17 +375,51 @@ class GatedAttention(nn.Module):
         self.q_norm = RMSNorm(head_dim, eps=eps)
         self.k_norm = RMSNorm(head_dim, eps=eps)
         self.attention = AttentionCore()
+        self.head_exchange = None  # context parallelism (module docstring)
+
+    # Head counts this module holds, from its parameter shapes (for inspection, as in GatedDeltaNet).
+    @property
+    def num_heads(self) -> int:
+        return self.o_proj.weight.shape[1] // self.head_dim
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.k_proj.weight.shape[0] // self.head_dim
 
     def forward(self, x, cos, sin, cu_seqlens=None, max_seqlen=None) -> torch.Tensor:
+        """x [B, T, hidden]; cos, sin [B, T, rotary_dim] for x's tokens (a slice's under context
+        parallelism, while cu_seqlens and max_seqlen describe the whole sequence)."""
         batch, length, _ = x.shape
-        query, gate = self.q_proj(x).view(batch, length, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        # head counts come from the projections: fewer than the config's under tensor parallelism
+        query, gate = self.q_proj(x).view(batch, length, -1, 2 * self.head_dim).chunk(2, dim=-1)
         q = recompute_in_backward(_fused_norm_rotary, query, self.q_norm.weight, cos, sin, self.q_norm.eps)
-        k = self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)
+        k = self.k_proj(x).view(batch, length, -1, self.head_dim)
         k = recompute_in_backward(_fused_norm_rotary, k, self.k_norm.weight, cos, sin, self.k_norm.eps)
-        v = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(batch, length, -1, self.head_dim)
+        if self.head_exchange is not None:
+            q, k, v = self._exchange_to_heads(q, k, v)
         out = self.attention(q, k, v, cu_seqlens, max_seqlen)
+        if self.head_exchange is not None:
+            out = self.head_exchange.to_tokens(out)
         out = out.reshape(batch, length, -1) * torch.sigmoid(gate.reshape(batch, length, -1))
         return self.o_proj(out)
+
+    def _exchange_to_heads(self, q, k, v):
+        """Ulysses: this rank's tokens of every head -> the whole sequence of its query heads and
+        the KV heads they read. KV heads fewer than the ranks are repeated first (as tensor
+        parallelism replicates them), so each rank receives the one its query heads read."""
+        exchange, head_dim = self.head_exchange, self.head_dim
+        if k.shape[2] < exchange.size:
+            copies = exchange.size // k.shape[2]
+            k, v = k.repeat_interleave(copies, dim=2), v.repeat_interleave(copies, dim=2)
+        heads_here, kv_here = q.shape[2] // exchange.size, k.shape[2] // exchange.size
+        packed = exchange.to_heads([q, k, v])
+        batch, length = packed.shape[:2]
+        q, k, v = torch.split(packed, [heads_here * head_dim, kv_here * head_dim, kv_here * head_dim], dim=-1)
+        # contiguous, as the projections' outputs are: the attention kernels get the layout they always get
+        return (q.reshape(batch, length, heads_here, head_dim).contiguous(),
+                k.reshape(batch, length, kv_here, head_dim).contiguous(),
+                v.reshape(batch, length, kv_here, head_dim).contiguous())
 
 
 class SwiGLUMLP(nn.Module):

@@ -23,7 +23,12 @@ class CausalLMOutput:
 
 
 class QwenHybridModel(nn.Module):
-    """Embedding, decoder layers and final norm (HF's `model.` prefix)."""
+    """Embedding, decoder layers and final norm (HF's `model.` prefix).
+
+    `sequence_shards`: into how many contiguous equal slices the packed sequence is split, one a
+    forward (context parallelism; the token mixers' `head_exchange` assembles the whole sequence).
+    1 unless `qwen_hybrid.parallel.apply_context_parallel` set it; then cu_seqlens covers the whole
+    sequence and position_ids must be given (the slice's positions in their documents)."""
 
     def __init__(self, config: QwenHybridConfig):
         super().__init__()
@@ -32,11 +37,14 @@ class QwenHybridModel(nn.Module):
         self.layers = nn.ModuleList([DecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.activation_checkpointing = False
+        self.sequence_shards = 1
 
     def forward(self, input_ids, cu_seqlens=None, position_ids=None, cu_seqlens_cpu=None) -> torch.Tensor:
         """input_ids [B, T] -> final hidden states [B, T, H]. cu_seqlens may be on the CPU (moved here);
         cu_seqlens_cpu, its host copy, spares every layer a device->host read."""
         batch, length = input_ids.shape
+        if position_ids is None and self.sequence_shards > 1:
+            raise ValueError(_SLICE_NEEDS_POSITIONS.format(shards=self.sequence_shards))
         max_seqlen = None
         if cu_seqlens is not None:
             cu_seqlens, cu_seqlens_cpu = _device_and_host_offsets(cu_seqlens, input_ids.device, cu_seqlens_cpu)
@@ -68,6 +76,13 @@ class LMHead(nn.Linear):
         return chunked_cross_entropy(hidden, self.weight, labels, chunk_size=chunk_size)
 
 
+_SLICE_NEEDS_POSITIONS = (
+    "position_ids: none given, but this model sees one of {shards} slices of the sequence (context "
+    "parallelism) and cannot tell where its slice starts; pass the slice's positions "
+    "(qwen_hybrid.parallel.context_parallel_slice builds them)"
+)
+
+
 class QwenHybridForCausalLM(nn.Module):
     def __init__(self, config: QwenHybridConfig):
         super().__init__()
@@ -75,6 +90,8 @@ class QwenHybridForCausalLM(nn.Module):
         self.model = QwenHybridModel(config)
         self.lm_head = LMHead(config.hidden_size, config.vocab_size, bias=False)
         self.loss_chunk_size = DEFAULT_CHUNK_SIZE
+        # what this rank holds when `qwen_hybrid.parallel.shard_model` split it (None: whole)
+        self.tensor_parallel_plan = None
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.apply(self._init_weights)
@@ -98,24 +115,33 @@ class QwenHybridForCausalLM(nn.Module):
         position_ids: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         return_logits: bool | None = None,
+        targets: torch.Tensor | None = None,
     ) -> CausalLMOutput:
         """input_ids [B, T]. cu_seqlens [N+1] (B = 1): packed documents, each independent in every
         layer; on the CPU or the model's device (read back to the host once per call).
         position_ids [B, T]: RoPE positions (default: 0.. per row, or per document).
         labels [B, T] aligned with input_ids like HF's (the model shifts them; -100 ignored;
-        no target crosses a document boundary). return_logits defaults to `labels is None`."""
+        no target crosses a document boundary). targets [B, T], instead of labels: already
+        shifted, targets[b, t] is the token position t must predict (-100: none).
+        return_logits defaults to `labels is None and targets is None`.
+
+        Under context parallelism (`model.sequence_shards` > 1) input_ids is this rank's slice,
+        cu_seqlens covers the whole sequence, and position_ids and targets are required: shifting
+        labels within a slice would lose its last token's target, which is the next slice's first
+        token (`qwen_hybrid.parallel.context_parallel_slice` builds all three)."""
         cu_seqlens_cpu = None
         if cu_seqlens is not None:
             if not isinstance(cu_seqlens, torch.Tensor):
                 raise TypeError(f"cu_seqlens must be an integer torch.Tensor [N+1], got {type(cu_seqlens).__name__}")
             cu_seqlens, cu_seqlens_cpu = _device_and_host_offsets(cu_seqlens, input_ids.device)
-        _check_inputs(input_ids, cu_seqlens_cpu, position_ids, labels)
+        _check_inputs(input_ids, cu_seqlens_cpu, position_ids, labels, targets, self.model.sequence_shards)
         hidden = self.model(input_ids, cu_seqlens, position_ids, cu_seqlens_cpu)
         if return_logits is None:
-            return_logits = labels is None
+            return_logits = labels is None and targets is None
         output = CausalLMOutput()
         if labels is not None:
             targets = shift_labels(labels, cu_seqlens)
+        if targets is not None:
             output.loss = self.lm_head(
                 hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1), chunk_size=self.loss_chunk_size
             )
@@ -144,7 +170,7 @@ class QwenHybridForCausalLM(nn.Module):
 
     def save_pretrained(self, path: str | os.PathLike, max_shard_bytes: int = 5 * 1024**3) -> None:
         """Write config.json + safetensors that `transformers.Qwen3_5ForCausalLM.from_pretrained` loads."""
-        if getattr(self, "tensor_parallel_plan", None) is not None:
+        if self.tensor_parallel_plan is not None:
             # this rank holds only its heads' slices: writing them would give a checkpoint nothing loads
             raise ValueError(
                 f"save_pretrained: this model is tensor-parallel sharded (tp = {self.tensor_parallel_plan.tp_size}); "
@@ -192,7 +218,7 @@ def _device_and_host_offsets(cu_seqlens, device, cu_seqlens_cpu=None) -> tuple[t
     return cu_seqlens.to(device, non_blocking=True), cu_seqlens_cpu
 
 
-def _check_inputs(input_ids, cu_seqlens, position_ids, labels) -> None:
+def _check_inputs(input_ids, cu_seqlens, position_ids, labels, targets=None, sequence_shards=1) -> None:
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
         raise ValueError(f"input_ids must be a [B, T] tensor, got {shape}")
@@ -208,11 +234,24 @@ def _check_inputs(input_ids, cu_seqlens, position_ids, labels) -> None:
                 f"dtype {cu_seqlens.dtype}"
             )
         bounds = cu_seqlens.tolist()
-        if bounds[0] != 0 or bounds[-1] != length or any(b < a for a, b in zip(bounds[:-1], bounds[1:])):
+        whole = length * sequence_shards
+        end = f"T = {length}" if sequence_shards == 1 else f"the whole sequence's {sequence_shards} x T = {whole}"
+        if bounds[0] != 0 or bounds[-1] != whole or any(b < a for a, b in zip(bounds[:-1], bounds[1:])):
             raise ValueError(
-                f"cu_seqlens must start at 0, end at T = {length} and not decrease, got {bounds[:8]}"
+                f"cu_seqlens must start at 0, end at {end} and not decrease, got {bounds[:8]}"
                 f"{'...' if len(bounds) > 8 else ''}"
             )
-    for name, tensor in (("position_ids", position_ids), ("labels", labels)):
+    if labels is not None and targets is not None:
+        raise ValueError("labels and targets were both given; pass labels (the model shifts them) or targets, not both")
+    if sequence_shards > 1:
+        if labels is not None:
+            raise ValueError(
+                f"labels: this model sees one of {sequence_shards} slices of the sequence (context parallelism), "
+                "where shifting labels would lose the target of the slice's last token; pass targets, the "
+                "slice's next-token targets (qwen_hybrid.parallel.context_parallel_slice builds them)"
+            )
+        if position_ids is None:
+            raise ValueError(_SLICE_NEEDS_POSITIONS.format(shards=sequence_shards))
+    for name, tensor in (("position_ids", position_ids), ("labels", labels), ("targets", targets)):
         if tensor is not None and tuple(tensor.shape) != (batch, length):
             raise ValueError(f"{name} must be [B, T] = {(batch, length)} like input_ids, got {tuple(tensor.shape)}")

@@ -15,7 +15,14 @@ their gradients, computed from local heads only, are summed over the group. Resi
 need nothing (without sequence parallelism): their inputs and gradients are whole on every rank.
 
 Each block's input passes `copy_to_tensor_parallel` and its output `reduce_from_tensor_parallel`
-(module hooks), so the model code runs unchanged on its local head counts.
+(module hooks), so the model code runs unchanged on its local head counts (the blocks read them
+from their projections' outputs).
+
+The plan is declared per module, as torchtitan's parallelize plans are: `TensorParallelPlan.modules`
+maps a module path to a `ModulePlan` saying which of its parameters is cut along which dim over
+which group, which whole parameters get partial gradients summed over which group, and whether
+the module is a head-sharded block wrapped in the tp collectives. `shard_model` applies it;
+`plan.shards` / `plan.partial_gradient` / `plan.local_heads` are flat views of it by full name.
 
 Sequence parallelism (`sequence_parallel=True`, Megatron's): between blocks each rank keeps only
 T/tp tokens of the residual stream; blocks all-gather their input tokens and reduce-scatter their
@@ -28,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
@@ -57,6 +65,7 @@ class ParameterShard:
     full_size: int
     copies: int = 1
     first_copy: bool = True
+    group: str = "tp"  # the ParallelGroups axis the parameter is split over
 
     @property
     def local_size(self) -> int:
@@ -74,20 +83,59 @@ class ParameterShard:
             offset += end - start
 
 
+# ModulePlan.wrap values
+HEAD_BLOCK = "head_block"  # input: copy (or gather tokens); output: reduce (or reduce-scatter tokens)
+GATHER_OUTPUT_TOKENS = "gather_output_tokens"  # output all-gathered by tokens (sequence parallelism)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModulePlan:
+    """One module's part of the tensor-parallel layout on this rank. Parameter names are relative
+    to the module (`in_proj_qkv.weight`).
+
+    shards: parameters cut along `shard.dim` over `shard.group`; every other parameter is whole.
+    partial_gradients: whole parameters whose gradient here covers only this rank's heads (or
+        tokens), name -> the group whose sum completes it.
+    local_heads: the head counts the module holds once cut (as the module reads them, for checks).
+    wrap: collectives around the module's forward: HEAD_BLOCK, GATHER_OUTPUT_TOKENS or None.
+    """
+
+    shards: Mapping[str, ParameterShard] = dataclasses.field(default_factory=dict)
+    partial_gradients: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    local_heads: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    wrap: str | None = None
+
+
 @dataclasses.dataclass(frozen=True)
 class TensorParallelPlan:
-    """What rank `tp_rank` of `tp_size` holds: `shards` by parameter name (every other parameter is
-    whole); `partial_gradient`: whole parameters whose gradient here covers local heads only;
-    `local_heads`: head-count attributes to set per module path; `vocab_start`: first vocabulary row;
-    `sequence_parallel`: the residual stream is split by tokens between blocks."""
+    """What rank `tp_rank` of `tp_size` holds: `modules`, the plan of each module by path (modules
+    not listed stay whole and unwrapped); `vocab_start`: first vocabulary row of the embedding and
+    LM head; `sequence_parallel`: the residual stream is split by tokens between blocks."""
 
     tp_size: int
     tp_rank: int
-    shards: dict[str, ParameterShard]
-    partial_gradient: tuple[str, ...]
-    local_heads: dict[str, dict[str, int]]
+    modules: Mapping[str, ModulePlan]
     vocab_start: int
     sequence_parallel: bool = False
+
+    @functools.cached_property
+    def shards(self) -> dict[str, ParameterShard]:
+        """Every cut parameter by full name."""
+        return {_join(path, name): shard for path, module in self.modules.items() for name, shard in module.shards.items()}
+
+    @functools.cached_property
+    def partial_gradient(self) -> tuple[str, ...]:
+        """Full names of the whole parameters whose gradients are summed over the group."""
+        return tuple(_join(path, name) for path, module in self.modules.items() for name in module.partial_gradients)
+
+    @functools.cached_property
+    def local_heads(self) -> dict[str, dict[str, int]]:
+        """Head counts per block path (blocks that hold heads)."""
+        return {path: dict(module.local_heads) for path, module in self.modules.items() if module.local_heads}
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
 
 
 def plan_tensor_parallel(
@@ -100,9 +148,7 @@ def plan_tensor_parallel(
     if not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank must be in [0, {tp_size}), got {tp_rank}")
     tp, r = tp_size, tp_rank
-    shards: dict[str, ParameterShard] = {}
-    partial_gradient: list[str] = []
-    local_heads: dict[str, dict[str, int]] = {}
+    modules: dict[str, ModulePlan] = {}
 
     def rows(start: int, count: int) -> tuple[int, int]:
         return (start + r * count, start + (r + 1) * count)
@@ -123,14 +169,20 @@ def plan_tensor_parallel(
             key_dim, value_dim = num_k * dk, num_v * dv
             qkv = (rows(0, k_local * dk), rows(key_dim, k_local * dk), rows(2 * key_dim, v_local * dv))
             qkv_size = 2 * key_dim + value_dim
-            shards[f"{block}.in_proj_qkv.weight"] = ParameterShard(0, qkv, qkv_size)
-            shards[f"{block}.conv1d.weight"] = ParameterShard(0, qkv, qkv_size)
-            shards[f"{block}.in_proj_z.weight"] = ParameterShard(0, (rows(0, v_local * dv),), value_dim)
-            for name in ("in_proj_b.weight", "in_proj_a.weight", "dt_bias", "A_log"):
-                shards[f"{block}.{name}"] = ParameterShard(0, (rows(0, v_local),), num_v)
-            shards[f"{block}.out_proj.weight"] = ParameterShard(1, (rows(0, v_local * dv),), value_dim)
-            partial_gradient.append(f"{block}.norm.weight")
-            local_heads[block] = {"num_k_heads": k_local, "num_v_heads": v_local}
+            value_heads = ParameterShard(0, (rows(0, v_local),), num_v)
+            modules[block] = ModulePlan(
+                shards={
+                    "in_proj_qkv.weight": ParameterShard(0, qkv, qkv_size),
+                    "conv1d.weight": ParameterShard(0, qkv, qkv_size),
+                    "in_proj_z.weight": ParameterShard(0, (rows(0, v_local * dv),), value_dim),
+                    "in_proj_b.weight": value_heads, "in_proj_a.weight": value_heads,
+                    "dt_bias": value_heads, "A_log": value_heads,
+                    "out_proj.weight": ParameterShard(1, (rows(0, v_local * dv),), value_dim),
+                },
+                partial_gradients={"norm.weight": "tp"},
+                local_heads={"num_k_heads": k_local, "num_v_heads": v_local},
+                wrap=HEAD_BLOCK,
+            )
         else:
             block = f"{prefix}.self_attn"
             num_heads, num_kv, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
@@ -142,10 +194,6 @@ def plan_tensor_parallel(
                     f"them and replicated when they divide tp, neither holds"
                 )
             heads_local = num_heads // tp
-            # query rows hold [query | gate] per head
-            shards[f"{block}.q_proj.weight"] = ParameterShard(
-                0, (rows(0, heads_local * 2 * head_dim),), num_heads * 2 * head_dim
-            )
             if num_kv % tp == 0:
                 kv_local = num_kv // tp
                 kv_shard = ParameterShard(0, (rows(0, kv_local * head_dim),), num_kv * head_dim)
@@ -156,34 +204,44 @@ def plan_tensor_parallel(
                     0, ((kv_head * head_dim, (kv_head + 1) * head_dim),), num_kv * head_dim,
                     copies=copies, first_copy=r % copies == 0,
                 )
-            shards[f"{block}.k_proj.weight"] = kv_shard
-            shards[f"{block}.v_proj.weight"] = kv_shard
-            shards[f"{block}.o_proj.weight"] = ParameterShard(
-                1, (rows(0, heads_local * head_dim),), num_heads * head_dim
+            modules[block] = ModulePlan(
+                shards={
+                    # query rows hold [query | gate] per head
+                    "q_proj.weight": ParameterShard(0, (rows(0, heads_local * 2 * head_dim),), num_heads * 2 * head_dim),
+                    "k_proj.weight": kv_shard,
+                    "v_proj.weight": kv_shard,
+                    "o_proj.weight": ParameterShard(1, (rows(0, heads_local * head_dim),), num_heads * head_dim),
+                },
+                partial_gradients={"q_norm.weight": "tp", "k_norm.weight": "tp"},
+                local_heads={"num_heads": heads_local, "num_kv_heads": kv_local},
+                wrap=HEAD_BLOCK,
             )
-            partial_gradient += [f"{block}.q_norm.weight", f"{block}.k_norm.weight"]
-            local_heads[block] = {"num_heads": heads_local, "num_kv_heads": kv_local}
         intermediate = config.intermediate_size
         if intermediate % tp != 0:
             raise ValueError(f"{prefix}.mlp: intermediate_size = {intermediate} does not divide by tp = {tp}")
-        if sequence_parallel:  # residual norms then see only this rank's tokens
-            partial_gradient += [f"{prefix}.input_layernorm.weight", f"{prefix}.post_attention_layernorm.weight"]
         mlp_rows = (rows(0, intermediate // tp),)
-        shards[f"{prefix}.mlp.gate_proj.weight"] = ParameterShard(0, mlp_rows, intermediate)
-        shards[f"{prefix}.mlp.up_proj.weight"] = ParameterShard(0, mlp_rows, intermediate)
-        shards[f"{prefix}.mlp.down_proj.weight"] = ParameterShard(1, mlp_rows, intermediate)
+        modules[f"{prefix}.mlp"] = ModulePlan(
+            shards={
+                "gate_proj.weight": ParameterShard(0, mlp_rows, intermediate),
+                "up_proj.weight": ParameterShard(0, mlp_rows, intermediate),
+                "down_proj.weight": ParameterShard(1, mlp_rows, intermediate),
+            },
+            wrap=HEAD_BLOCK,
+        )
+        if sequence_parallel:  # residual norms then see only this rank's tokens
+            for norm in ("input_layernorm", "post_attention_layernorm"):
+                modules[f"{prefix}.{norm}"] = ModulePlan(partial_gradients={"weight": "tp"})
     if config.vocab_size % tp != 0:
         raise ValueError(
             f"model.embed_tokens / lm_head: vocab_size = {config.vocab_size} does not divide by tp = {tp}"
         )
     vocab_rows = (rows(0, config.vocab_size // tp),)
-    shards["model.embed_tokens.weight"] = ParameterShard(0, vocab_rows, config.vocab_size)
-    shards["lm_head.weight"] = ParameterShard(0, vocab_rows, config.vocab_size)
+    modules["model.embed_tokens"] = ModulePlan(shards={"weight": ParameterShard(0, vocab_rows, config.vocab_size)})
+    modules["lm_head"] = ModulePlan(shards={"weight": ParameterShard(0, vocab_rows, config.vocab_size)})
     if sequence_parallel:
-        partial_gradient.append("model.norm.weight")
+        modules["model.norm"] = ModulePlan(partial_gradients={"weight": "tp"}, wrap=GATHER_OUTPUT_TOKENS)
     return TensorParallelPlan(
-        tp_size=tp, tp_rank=r, shards=shards, partial_gradient=tuple(partial_gradient),
-        local_heads=local_heads, vocab_start=vocab_rows[0][0], sequence_parallel=sequence_parallel,
+        tp_size=tp, tp_rank=r, modules=modules, vocab_start=vocab_rows[0][0], sequence_parallel=sequence_parallel,
     )
 
 
@@ -202,8 +260,13 @@ def shard_model(
         raise TypeError(f"model must be a QwenHybridForCausalLM, got {type(model).__name__}")
     if groups.tp_size == 1:
         return model
-    if getattr(model, "tensor_parallel_plan", None) is not None:
+    if model.tensor_parallel_plan is not None:
         raise ValueError("model is already sharded (it has a tensor_parallel_plan)")
+    if model.model.sequence_shards > 1:
+        raise ValueError(
+            f"model already has context parallelism applied (sequence_shards = {model.model.sequence_shards}); "
+            "call shard_model first, then apply_context_parallel"
+        )
     plan = plan_tensor_parallel(model.config, groups.tp_size, groups.tp_rank, sequence_parallel)
     _broadcast_from_first_tp_rank(model, groups)
     cut_to_local_shards(model, plan, groups)
@@ -227,29 +290,29 @@ def _broadcast_from_first_tp_rank(model: nn.Module, groups: ParallelGroups) -> N
 
 
 def cut_to_local_shards(model: QwenHybridForCausalLM, plan: TensorParallelPlan, groups: ParallelGroups) -> None:
-    """Replace every planned parameter by this rank's slice (meta parameters stay meta), set the
-    local head counts, and swap the embedding and LM head for their vocabulary-parallel forms."""
+    """Replace every planned parameter by this rank's slice (meta parameters stay meta) and swap
+    the embedding and LM head for their vocabulary-parallel forms. The blocks read their (now
+    local) head counts from their projections, so nothing else changes on them."""
     config = model.config
     parameters = dict(model.named_parameters(remove_duplicate=False))
     for layer_index, layer in enumerate(model.model.layers):
         _check_plan_covers(layer, f"model.layers.{layer_index}", plan)
-    for name, shard in plan.shards.items():
-        if config.tie_word_embeddings and name == "lm_head.weight":
-            continue  # the same tensor as the embedding: cut once, re-tied below
-        old = parameters.pop(name)  # the last reference: each full tensor is freed once cut
-        expected = shard.full_size
-        if old.shape[shard.dim] != expected:
-            raise ValueError(
-                f"{name} has size {old.shape[shard.dim]} along dim {shard.dim}, the plan expects {expected}"
-            )
-        module_path, attribute = name.rsplit(".", 1)
-        with torch.no_grad():
-            local = nn.Parameter(shard.take(old.detach()), requires_grad=old.requires_grad)
-        setattr(model.get_submodule(module_path), attribute, local)
-    for module_path, counts in plan.local_heads.items():
-        block = model.get_submodule(module_path)
-        for attribute, value in counts.items():
-            setattr(block, attribute, value)
+    for module_path, module_plan in plan.modules.items():
+        module = model.get_submodule(module_path)
+        for relative_name, shard in module_plan.shards.items():
+            name = _join(module_path, relative_name)
+            if config.tie_word_embeddings and name == "lm_head.weight":
+                continue  # the same tensor as the embedding: cut once, re-tied below
+            old = parameters.pop(name)  # the last reference: each full tensor is freed once cut
+            expected = shard.full_size
+            if old.shape[shard.dim] != expected:
+                raise ValueError(
+                    f"{name} has size {old.shape[shard.dim]} along dim {shard.dim}, the plan expects {expected}"
+                )
+            owner_path, attribute = relative_name.rpartition(".")[::2]
+            with torch.no_grad():
+                local = nn.Parameter(shard.take(old.detach()), requires_grad=old.requires_grad)
+            setattr(module.get_submodule(owner_path) if owner_path else module, attribute, local)
     for module in model.modules():
         if isinstance(module, nn.Linear):
             module.out_features, module.in_features = module.weight.shape
@@ -284,28 +347,34 @@ def attach_tensor_parallel(model: QwenHybridForCausalLM, plan: TensorParallelPla
     """Hooks and attributes on an already cut model: block input/output collectives, gradient sums
     for whole-but-partial parameters and for replicated slices, DeepSpeed's `tensor_model_parallel`
     flags. Call once, after the final parameter tensors are in place."""
-    group = groups.tp_group
+    group_of = {"tp": groups.tp_group}
     enter, leave = copy_to_tensor_parallel, reduce_from_tensor_parallel
     if plan.sequence_parallel:
         enter, leave = gather_tokens, reduce_scatter_tokens
-        model.model.norm.register_forward_hook(functools.partial(_leave_block, collective=gather_tokens, group=group))
-    for layer in model.model.layers:
-        for child in ("linear_attn", "self_attn", "mlp"):
-            block = getattr(layer, child, None)
-            if block is None:
-                continue
-            block.register_forward_pre_hook(
-                functools.partial(_enter_block, collective=enter, group=group), with_kwargs=True
-            )
-            block.register_forward_hook(functools.partial(_leave_block, collective=leave, group=group))
     parameters = dict(model.named_parameters(remove_duplicate=False))
-    for name in plan.partial_gradient:
-        parameters[name].register_hook(functools.partial(_sum_gradient, group=group))
-    for name, shard in plan.shards.items():
-        parameter = parameters[name]
-        parameter.tensor_model_parallel = shard.first_copy
-        if shard.copies > 1:
-            parameter.register_hook(functools.partial(_sum_gradient_over_copies, shard=shard, group=group))
+    for module_path, module_plan in plan.modules.items():
+        module = model.get_submodule(module_path)
+        if module_plan.wrap == HEAD_BLOCK:
+            module.register_forward_pre_hook(
+                functools.partial(_enter_block, collective=enter, group=groups.tp_group), with_kwargs=True
+            )
+            module.register_forward_hook(functools.partial(_leave_block, collective=leave, group=groups.tp_group))
+        elif module_plan.wrap == GATHER_OUTPUT_TOKENS:
+            module.register_forward_hook(
+                functools.partial(_leave_block, collective=gather_tokens, group=groups.tp_group)
+            )
+        elif module_plan.wrap is not None:
+            raise ValueError(f"{module_path}: unknown wrap {module_plan.wrap!r} in the plan")
+        for relative_name, axis in module_plan.partial_gradients.items():
+            parameter = parameters[_join(module_path, relative_name)]
+            parameter.register_hook(functools.partial(_sum_gradient, group=group_of[axis]))
+        for relative_name, shard in module_plan.shards.items():
+            parameter = parameters[_join(module_path, relative_name)]
+            parameter.tensor_model_parallel = shard.first_copy
+            if shard.copies > 1:
+                parameter.register_hook(
+                    functools.partial(_sum_gradient_over_copies, shard=shard, group=group_of[shard.group])
+                )
     model.tensor_parallel_plan = plan
 
 
@@ -343,7 +412,7 @@ def gather_full_state_dict(
     """The unsharded state dict (our = HF names), assembled on the first rank of the tensor-parallel
     group (on `device`); the other ranks take part and get {}. Collective over the group.
     Feed it to `checkpoint_io.save` with `model.config` to write an HF checkpoint."""
-    plan = getattr(model, "tensor_parallel_plan", None)
+    plan = model.tensor_parallel_plan
     if plan is None:
         return {name: tensor.detach().to(device) for name, tensor in model.state_dict().items()}
     rank_plans = [
