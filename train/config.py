@@ -123,11 +123,18 @@ def validate_config(cfg: DictConfig) -> None:
     _choice("logger.mode", cfg.logger.mode, LOGGER_MODES)
 
     _integer("parallel.tp", cfg.parallel.tp, 1)
+    _integer("parallel.cp", cfg.parallel.cp, 1)
     _boolean("parallel.sequence_parallel", cfg.parallel.sequence_parallel)
-    if cfg.parallel.sequence_parallel and train.tokens_per_micro_batch % cfg.parallel.tp != 0:
+    if train.tokens_per_micro_batch % cfg.parallel.cp != 0:
+        raise ConfigError(
+            f"parallel.cp={cfg.parallel.cp}: train.tokens_per_micro_batch={train.tokens_per_micro_batch} must divide by "
+            "it (each rank of a context-parallel group holds an equal slice of the packed sequence)"
+        )
+    shares = cfg.parallel.tp * cfg.parallel.cp
+    if cfg.parallel.sequence_parallel and train.tokens_per_micro_batch % shares != 0:
         raise ConfigError(
             f"parallel.sequence_parallel=true: train.tokens_per_micro_batch={train.tokens_per_micro_batch} must divide "
-            f"by parallel.tp={cfg.parallel.tp} (each rank keeps an equal share of the tokens between blocks)"
+            f"by parallel.tp x parallel.cp = {shares} (each rank keeps an equal share of the tokens between blocks)"
         )
 
     bench = cfg.benchmark
@@ -162,10 +169,11 @@ def check_environment(cfg: DictConfig) -> None:
 
 def check_parallel_layout(cfg: DictConfig, world_size: int) -> None:
     """What needs the world size, known only once the processes are up."""
-    if world_size % cfg.parallel.tp != 0:
+    model_parallel = cfg.parallel.tp * cfg.parallel.cp
+    if world_size % model_parallel != 0:
         raise ConfigError(
-            f"parallel.tp={cfg.parallel.tp}: expected a divisor of the world size {world_size} "
-            f"(world = data-parallel x tensor-parallel ranks)"
+            f"parallel.tp={cfg.parallel.tp}, parallel.cp={cfg.parallel.cp}: expected tp x cp = {model_parallel} to "
+            f"divide the world size {world_size} (world = data-parallel x context-parallel x tensor-parallel ranks)"
         )
 
 

@@ -7,7 +7,8 @@
 The config groups live in configs/ (see configs/pretrain.yaml). Every rank writes into one run
 directory chosen by rank 0: metrics.jsonl, config.yaml, checkpoints/, hf_final/, wandb/.
 parallel.tp=N splits every layer's heads over N consecutive ranks (they read the same data);
-the world size / N data-parallel replicas share ZeRO's partitions.
+parallel.cp=N splits each packed sequence over N ranks (docs/context-parallel.md); the world size /
+(tp x cp) data-parallel replicas, times cp, share ZeRO's partitions.
 
 The run: `preflight` (every config and environment error, before anything is written), `setup`
 (processes, run directory, data, model, engine, resume), `train_loop` (one `train_step` per
@@ -44,8 +45,11 @@ from qwen_hybrid import QwenHybridConfig, QwenHybridForCausalLM
 from qwen_hybrid.checkpoint_io import read_config
 from qwen_hybrid.parallel import (
     ParallelGroups,
+    apply_context_parallel,
+    context_parallel_slice,
     init_parallel_groups,
     load_sharded_hf_checkpoint,
+    plan_context_parallel,
     plan_tensor_parallel,
     shard_model,
 )
@@ -229,11 +233,17 @@ def build_model(
         config = QwenHybridConfig.from_hf(read_config(init_from), **overrides)
     else:
         config = QwenHybridConfig.named(cfg.model.name, **overrides)
-    tp, sequence_parallel = cfg.parallel.tp, cfg.parallel.sequence_parallel
+    tp, cp, sequence_parallel = cfg.parallel.tp, cfg.parallel.cp, cfg.parallel.sequence_parallel
+    # fail before any weights are read or built
     try:
-        plan_tensor_parallel(config, tp, 0, sequence_parallel)  # fail before any weights are read or built
+        plan_tensor_parallel(config, tp, 0, sequence_parallel)
     except ValueError as error:
         raise ConfigError(f"parallel.tp={tp}: model {init_from or cfg.model.name} does not split over {tp} ranks: {error}")
+    try:
+        plan_context_parallel(config, cp, 0, tp)
+    except ValueError as error:
+        raise ConfigError(f"parallel.cp={cp}: model {init_from or cfg.model.name} does not split over {cp} ranks "
+                          f"(with parallel.tp={tp}): {error}")
     if data_vocab > config.vocab_size:
         raise ConfigError(
             f"model.vocab_size: the model has {config.vocab_size} token ids but the data uses {data_vocab} "
@@ -254,6 +264,7 @@ def build_model(
         finally:
             torch.set_default_dtype(previous_dtype)
         model = shard_model(model, parallel_groups, sequence_parallel=sequence_parallel)
+    model = apply_context_parallel(model, parallel_groups)
     model.set_activation_checkpointing(cfg.train.activation_checkpointing)
     model.loss_chunk_size = cfg.train.loss_chunk_size
     return model
@@ -295,8 +306,9 @@ def build_engine(cfg: DictConfig, model: QwenHybridForCausalLM, device: torch.de
         ),
         config=deepspeed_config(cfg, on_cuda=device.type == "cuda"),
         dist_init_required=False,
-        # ZeRO partitions and averages over the data-parallel group; the gradient norm counts each shard once
-        mpu=groups if cfg.parallel.tp > 1 else None,
+        # ZeRO partitions and averages over the ranks holding equal parameters (dp x cp); the gradient
+        # norm counts each tensor-parallel shard once
+        mpu=groups if cfg.parallel.tp * cfg.parallel.cp > 1 else None,
     )
     return engine
 
@@ -337,7 +349,7 @@ def setup(cfg: DictConfig, resume_point: ResumePoint | None) -> Run:
         if "OMP_NUM_THREADS" not in os.environ:
             # CPU runs use small models, whose ops are too short to gain from threads that only contend
             torch.set_num_threads(1)
-    groups = init_parallel_groups(cfg.parallel.tp)  # after set_device: NCCL groups bind to it
+    groups = init_parallel_groups(cfg.parallel.tp, cfg.parallel.cp)  # after set_device: NCCL groups bind to it
 
     run_dir = agree_on_run_dir(cfg, resume_point)
     if rank == 0:
@@ -356,7 +368,7 @@ def setup(cfg: DictConfig, resume_point: ResumePoint | None) -> Run:
         state = load_checkpoint(engine, resume_point, cfg.parallel.tp)
         log.info(f"resumed from {resume_point.checkpoints_dir / resume_point.tag} at step {state.step}")
     train_cfg = cfg.train
-    # the ranks of one tensor-parallel group read the same micro-batches
+    # the ranks of one tensor- or context-parallel group read the same micro-batches
     sampler = MicroBatchSampler(
         dataset, train_cfg.tokens_per_micro_batch, train_cfg.seq_len, train_cfg.seed, groups.dp_rank, groups.dp_size,
         document_boundaries=cfg.data.document_boundaries,
@@ -369,7 +381,7 @@ def setup(cfg: DictConfig, resume_point: ResumePoint | None) -> Run:
                              OmegaConf.to_container(cfg, resolve=True), resumed_step)
         log.info(
             f"run directory {run_dir}\nmodel {cfg.model.init_from or cfg.model.name} ({num_parameters / 1e6:.1f}M parameters), "
-            f"{world_size} rank(s) on {device.type} (tensor parallel {cfg.parallel.tp}"
+            f"{world_size} rank(s) on {device.type} (tensor parallel {cfg.parallel.tp} x context parallel {cfg.parallel.cp}"
             f"{', sequence parallel' if cfg.parallel.sequence_parallel and cfg.parallel.tp > 1 else ''} x data parallel "
             f"{groups.dp_size}), ZeRO-{cfg.deepspeed.zero_stage}, {cfg.train.precision}, "
             f"data {dataset.path} ({dataset.num_tokens} tokens)"
@@ -401,19 +413,26 @@ def train_step(run: "Run", data_position: int) -> tuple[torch.Tensor, float]:
     for micro_step in range(run.cfg.train.gradient_accumulation):
         batch = run.sampler.rank_micro_batch(data_position, micro_step)
         flops += training_flops(run.matmul_params, engine.module.config, batch.cu_seqlens.diff().tolist())
-        input_ids = batch.input_ids.to(device, non_blocking=True)
         instruments.phase("fwd")
-        output = engine(
-            input_ids,
-            cu_seqlens=batch.cu_seqlens,  # on the CPU: the model keeps the host copy and moves it
-            position_ids=batch.position_ids.to(device, non_blocking=True),
-            labels=input_ids,
-        )
+        output = engine(**model_inputs(batch, run.groups, device))
         instruments.phase("bwd")
         engine.backward(output.loss)
         engine.step()
         loss_sum += output.loss.detach().float()
     return loss_sum, flops
+
+
+def model_inputs(batch, groups: ParallelGroups, device: torch.device) -> dict:
+    """The model's arguments for this rank: the whole micro-batch, or under context parallelism
+    this rank's slice with its targets shifted over the whole sequence. cu_seqlens stays on the
+    CPU: the model keeps the host copy and moves it."""
+    if groups.cp_size == 1:
+        input_ids = batch.input_ids.to(device, non_blocking=True)
+        return dict(input_ids=input_ids, cu_seqlens=batch.cu_seqlens,
+                    position_ids=batch.position_ids.to(device, non_blocking=True), labels=input_ids)
+    part = context_parallel_slice(batch.input_ids, batch.cu_seqlens, cp_size=groups.cp_size, cp_rank=groups.cp_rank)
+    return {name: value if name == "cu_seqlens" else value.to(device, non_blocking=True)
+            for name, value in part.model_inputs().items()}
 
 
 @dataclass
@@ -441,8 +460,8 @@ def agree_on_step(run: Run, loss_sum: torch.Tensor, flops: float, stop: StopRequ
     return StepSummary(
         loss=everyone[:, 0].sum().item() / run.world_size, stop_requested=everyone[:, 1].sum().item() > 0,
         peak_gib=everyone[:, 2].max().item(), peak_reserved_gib=everyone[:, 3].max().item(),
-        # the ranks of a tensor-parallel group train on the same tokens: count them once
-        flops=everyone[:, 4].sum().item() * 1e12 / run.cfg.parallel.tp,
+        # the ranks of a tensor- or context-parallel group count the same tokens: count them once
+        flops=everyone[:, 4].sum().item() * 1e12 / (run.cfg.parallel.tp * run.cfg.parallel.cp),
     )
 
 

@@ -57,15 +57,16 @@ def save_hf_checkpoint(
 ) -> None:
     """Write the unsharded weights of a (possibly sharded) model as an HF checkpoint at `path`.
 
-    Collective over the tensor-parallel group of data-parallel replica 0 (other replicas return at
-    once); its first rank gathers the full tensors on CPU and writes. Under ZeRO-3 call it inside
+    Collective over the tensor-parallel group of data-parallel replica 0 and context-parallel rank 0
+    (the other ranks hold copies and return at once); its first rank gathers the full tensors on
+    CPU and writes. Under ZeRO-3 call it inside
     `deepspeed.zero.GatheredParameters(model.parameters())`.
 
     Both paths write through `checkpoint_io.save`: into `<path>.partial`, fsynced, then swapped
     in, so a crash mid-export leaves the previous checkpoint at `path` (or, between the two
     renames, at `<path>.previous`) complete. Only the writing rank touches the filesystem.
     """
-    if groups.dp_rank != 0:
+    if groups.dp_rank != 0 or groups.cp_rank != 0:
         return
     if getattr(model, "tensor_parallel_plan", None) is None:
         model.save_pretrained(path, max_shard_bytes=max_shard_bytes)

@@ -1,7 +1,7 @@
-"""parallel.tp in the training entry point on CPU (gloo): tp=2 on 2 ranks (so dp=1) follows the
-1-rank tp=1 run on the same data step for step, through a stop and resume, with and without
-sequence parallelism (ZeRO-2 and ZeRO-3), and exports one unsharded HF checkpoint; a parallel.tp
-that does not fit fails at start naming the key."""
+"""parallel.tp and parallel.cp in the training entry point on CPU (gloo): tp=2 or cp=2 on 2 ranks
+(so dp=1) follows the 1-rank run on the same data step for step, through a stop and resume, tp with
+and without sequence parallelism (ZeRO-2 and ZeRO-3), and exports one unsharded HF checkpoint; a
+parallel.tp that does not fit fails at start naming the key."""
 import subprocess
 import sys
 
@@ -12,8 +12,8 @@ from hydra import compose, initialize_config_dir
 from train.config import ConfigError
 from train_runs import PRETRAIN, REPO, pretrain_env, run_command, smoke_overrides, step_records, torchrun_command
 
-STEPS = 6
-# float32 on CPU: the sharded matmuls and the all-reduces only reorder sums
+STEPS = 20
+# float32 on CPU: the sharded matmuls, the all-to-alls and the all-reduces only reorder sums
 LOSS_RTOL = 1e-5
 GRAD_NORM_RTOL = 1e-4
 
@@ -50,6 +50,23 @@ def tp2_resumed_run(workdir):
     assert not (run_dir / "hf_final").exists()
     second_half = run_command(
         torchrun_command(2) + [PRETRAIN] + _common(workdir, run_dir, "parallel.tp=2", f"train.resume={run_dir}"), workdir
+    )
+    assert second_half.returncode == 0
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def cp2_resumed_run(workdir):
+    """cp=2: each rank holds half of every packed sequence (documents cross the cut); stopped after
+    step 10, resumed to the end in new processes."""
+    run_dir = workdir / "cp2_resumed"
+    first_half = run_command(
+        torchrun_command(2) + [PRETRAIN] + _common(workdir, run_dir, "parallel.cp=2", "train.stop_at_step=10"), workdir
+    )
+    assert first_half.returncode == 0
+    assert [r["step"] for r in step_records(run_dir)] == list(range(1, 11))
+    second_half = run_command(
+        torchrun_command(2) + [PRETRAIN] + _common(workdir, run_dir, "parallel.cp=2", "train.resume=auto"), workdir
     )
     assert second_half.returncode == 0
     return run_dir
@@ -105,6 +122,11 @@ def test_tp2_exports_the_unsharded_checkpoint(single_rank_run, tp2_resumed_run):
     _assert_same_export(single_rank_run, tp2_resumed_run)
 
 
+def test_cp2_stopped_and_resumed_follows_the_single_rank_trajectory(single_rank_run, cp2_resumed_run):
+    _assert_same_trajectory(single_rank_run, cp2_resumed_run)
+    _assert_same_export(single_rank_run, cp2_resumed_run)
+
+
 def test_tp2_sequence_parallel_zero3_follows_the_single_rank_trajectory(single_rank_run, tp2_sequence_parallel_zero3_run):
     _assert_same_trajectory(single_rank_run, tp2_sequence_parallel_zero3_run)
     _assert_same_export(single_rank_run, tp2_sequence_parallel_zero3_run)
@@ -116,7 +138,16 @@ def test_tp_that_does_not_divide_the_world_fails_at_start(workdir):
         cwd=REPO, env=pretrain_env(workdir), capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 2
-    assert "config error: parallel.tp=2: expected a divisor of the world size 1" in result.stderr
+    assert "config error: parallel.tp=2, parallel.cp=1: expected tp x cp = 2 to divide the world size 1" in result.stderr
+
+
+def test_cp_beyond_the_attention_heads_names_the_key():
+    from train.pretrain import build_model
+
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        cfg = compose("pretrain", overrides=["experiment=cpu_smoke", "parallel.cp=16"])
+    with pytest.raises(ConfigError, match=r"^parallel.cp=16: model tiny does not split over 16 ranks"):
+        build_model(cfg, torch.device("cpu"), torch.float32, 257, parallel_groups=None)
 
 
 def test_tp_that_does_not_split_the_model_names_the_key():
