@@ -376,6 +376,9 @@ class GatedAttention(nn.Module):
         self.k_norm = RMSNorm(head_dim, eps=eps)
         self.attention = AttentionCore()
         self.head_exchange = None  # context parallelism (module docstring)
+        # set by the model's checkpointing (QwenHybridModel.keep_attention): recompute the projections
+        # and the output in the backward but keep the attention kernel's inputs and outputs
+        self.checkpoint_around_attention = False
 
     # Head counts this module holds, from its parameter shapes (for inspection, as in GatedDeltaNet).
     @property
@@ -389,6 +392,16 @@ class GatedAttention(nn.Module):
     def forward(self, x, cos, sin, cu_seqlens=None, max_seqlen=None) -> torch.Tensor:
         """x [B, T, hidden]; cos, sin [B, T, rotary_dim] for x's tokens (a slice's under context
         parallelism, while cu_seqlens and max_seqlen describe the whole sequence)."""
+        if self.checkpoint_around_attention and torch.is_grad_enabled():
+            q, k, v, gate = checkpoint(self._attention_inputs, x, cos, sin, use_reentrant=False)
+            out = self.attention(q, k, v, cu_seqlens, max_seqlen)
+            return checkpoint(self._attention_output, out, gate, use_reentrant=False)
+        q, k, v, gate = self._attention_inputs(x, cos, sin)
+        return self._attention_output(self.attention(q, k, v, cu_seqlens, max_seqlen), gate)
+
+    def _attention_inputs(self, x, cos, sin):
+        """q, k, v as the attention kernel takes them (normed, rotated; a head group's whole sequence
+        under context parallelism) and the output gate [B, T, H, d] of x's tokens."""
         batch, length, _ = x.shape
         # head counts come from the projections: fewer than the config's under tensor parallelism
         query, gate = self.q_proj(x).view(batch, length, -1, 2 * self.head_dim).chunk(2, dim=-1)
@@ -398,9 +411,12 @@ class GatedAttention(nn.Module):
         v = self.v_proj(x).view(batch, length, -1, self.head_dim)
         if self.head_exchange is not None:
             q, k, v = self._exchange_to_heads(q, k, v)
-        out = self.attention(q, k, v, cu_seqlens, max_seqlen)
+        return q, k, v, gate
+
+    def _attention_output(self, out, gate):
         if self.head_exchange is not None:
             out = self.head_exchange.to_tokens(out)
+        batch, length = gate.shape[:2]
         out = out.reshape(batch, length, -1) * torch.sigmoid(gate.reshape(batch, length, -1))
         return self.o_proj(out)
 
@@ -467,4 +483,10 @@ class DecoderLayer(nn.Module):
             hidden = hidden + self.linear_attn(mixer_input, cu_seqlens, cu_seqlens_cpu)
         else:
             hidden = hidden + self.self_attn(mixer_input, cos, sin, cu_seqlens, max_seqlen)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        if self.layer_type == "full_attention" and self.self_attn.checkpoint_around_attention and torch.is_grad_enabled():
+            # the layer is not checkpointed as a whole (that would recompute the attention too)
+            return hidden + checkpoint(self._mlp_block, hidden, use_reentrant=False)
+        return hidden + self._mlp_block(hidden)
+
+    def _mlp_block(self, hidden):
+        return self.mlp(self.post_attention_layernorm(hidden))

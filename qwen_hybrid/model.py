@@ -57,7 +57,7 @@ class QwenHybridModel(nn.Module):
             cos, sin = _rotary_tables(position_ids, self.config.rotary_dim, self.config.rope_theta)
         hidden = self.embed_tokens(input_ids)
         for layer in self.layers:
-            if self.activation_checkpointing and torch.is_grad_enabled():
+            if self.activation_checkpointing and torch.is_grad_enabled() and not _checkpoints_itself(layer):
                 hidden = checkpoint(layer, hidden, cos, sin, cu_seqlens, max_seqlen, cu_seqlens_cpu,
                                     use_reentrant=False)
             else:
@@ -104,9 +104,15 @@ class QwenHybridForCausalLM(nn.Module):
                 with torch.no_grad():
                     module.weight[module.padding_idx].zero_()
 
-    def set_activation_checkpointing(self, enabled: bool) -> None:
-        """Recompute each decoder layer in the backward instead of keeping its activations."""
+    def set_activation_checkpointing(self, enabled: bool, recompute_attention: bool = True) -> None:
+        """Recompute each decoder layer in the backward instead of keeping its activations.
+        recompute_attention=False: attention layers keep the attention kernel's inputs and outputs
+        (q, k, v, output and its log-sum-exp: about T * (3 H + 2 Hkv) * d * 2 bytes a layer) and
+        recompute only their projections, norms and MLP, so the backward runs no attention forward."""
         self.model.activation_checkpointing = bool(enabled)
+        for layer in self.model.layers:
+            if layer.layer_type == "full_attention":
+                layer.self_attn.checkpoint_around_attention = bool(enabled) and not recompute_attention
 
     def forward(
         self,
@@ -177,6 +183,10 @@ class QwenHybridForCausalLM(nn.Module):
                 "use qwen_hybrid.parallel.save_hf_checkpoint(model, groups, path), which gathers the shards"
             )
         checkpoint_io.save(path, self.config, self.state_dict(), max_shard_bytes=max_shard_bytes)
+
+
+def _checkpoints_itself(layer: DecoderLayer) -> bool:
+    return layer.layer_type == "full_attention" and layer.self_attn.checkpoint_around_attention
 
 
 def shift_labels(labels: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:

@@ -91,6 +91,7 @@ def validate_config(cfg: DictConfig) -> None:
     _integer("train.seed", train.seed, 0)
     _choice("train.precision", train.precision, PRECISIONS)
     _boolean("train.activation_checkpointing", train.activation_checkpointing)
+    _boolean("train.recompute_attention", train.recompute_attention)
     _integer("train.loss_chunk_size", train.loss_chunk_size, 1)
     _integer("train.checkpoint_every", train.checkpoint_every, 0)
     _integer("train.keep_checkpoints", train.keep_checkpoints, 1)

@@ -265,7 +265,8 @@ def build_model(
             torch.set_default_dtype(previous_dtype)
         model = shard_model(model, parallel_groups, sequence_parallel=sequence_parallel)
     model = apply_context_parallel(model, parallel_groups)
-    model.set_activation_checkpointing(cfg.train.activation_checkpointing)
+    model.set_activation_checkpointing(cfg.train.activation_checkpointing,
+                                       recompute_attention=cfg.train.recompute_attention)
     model.loss_chunk_size = cfg.train.loss_chunk_size
     return model
 

@@ -90,7 +90,7 @@ def _offsets_within_slice(module, args, cp_size, cp_rank):
 
 
 def _check_matches_unsharded(
-    tp: int, cp: int, overrides: dict, activation_checkpointing: bool, sequence_parallel: bool, out_dir: str,
+    tp: int, cp: int, overrides: dict, activation_checkpointing: bool | str, sequence_parallel: bool, out_dir: str,
     restart_gdn_at_slices: bool = False,
 ) -> None:
     """Loss, gathered logits and every gradient (averaged over cp) against the unsharded model on
@@ -103,7 +103,9 @@ def _check_matches_unsharded(
     model = copy.deepcopy(reference)
     shard_model(model, groups, sequence_parallel=sequence_parallel)
     apply_context_parallel(model, groups)
-    model.set_activation_checkpointing(activation_checkpointing)
+    # True: whole layers recomputed; "keep_attention": attention layers keep the kernel's tensors
+    model.set_activation_checkpointing(bool(activation_checkpointing),
+                                       recompute_attention=activation_checkpointing != "keep_attention")
     if restart_gdn_at_slices:
         _restart_gdn_state_at_each_slice(model, cp, groups.cp_rank)
     tp_plan = model.tensor_parallel_plan
@@ -169,9 +171,10 @@ def _report(title: str, worst: dict[str, float]) -> None:
         (1, 2, {}, True, False),
         (1, 4, FOUR_KEY_HEADS, True, False),
         (2, 2, FOUR_KEY_HEADS, False, False),
-        (2, 2, FOUR_KEY_HEADS, True, True),
+        (2, 2, FOUR_KEY_HEADS, "keep_attention", True),
     ],
-    ids=["cp2", "cp2-checkpointed", "cp4-repeated-kv-checkpointed", "tp2-cp2", "tp2-cp2-sequence-parallel-checkpointed"],
+    ids=["cp2", "cp2-checkpointed", "cp4-repeated-kv-checkpointed", "tp2-cp2",
+         "tp2-cp2-sequence-parallel-checkpointed-keeping-attention"],
 )
 def test_context_parallel_matches_unsharded(
     request, tmp_path, tp, cp, overrides, activation_checkpointing, sequence_parallel

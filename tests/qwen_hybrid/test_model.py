@@ -174,16 +174,28 @@ def test_labels_give_loss_without_logits_by_default():
     assert model(ids).logits.shape == (1, 12, 512) and model(ids).loss is None
 
 
-def test_activation_checkpointing_gives_the_same_gradients():
+@pytest.mark.parametrize("recompute_attention", [True, False], ids=["recompute_attention", "keep_attention"])
+def test_activation_checkpointing_gives_the_same_gradients(recompute_attention):
+    from qwen_hybrid.layers import AttentionCore
+
     ids = torch.randint(0, 512, (1, 40), generator=torch.Generator().manual_seed(2))
-    grads = []
+    grads, attention_calls = [], []
     for enabled in (False, True):
-        model = tiny_model(seed=5)
-        model.set_activation_checkpointing(enabled)
+        model = tiny_model(seed=5).double()
+        model.set_activation_checkpointing(enabled, recompute_attention=recompute_attention)
+        calls = []
+        for module in model.modules():
+            if isinstance(module, AttentionCore):
+                module.register_forward_hook(lambda *_: calls.append(1))
         model(ids, cu_seqlens=torch.tensor([0, 15, 40]), labels=ids).loss.backward()
         grads.append({name: p.grad for name, p in model.named_parameters()})
+        attention_calls.append(len(calls))
     for name in grads[0]:
-        assert torch.allclose(grads[0][name], grads[1][name], rtol=1e-5, atol=1e-7), name
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-12, atol=1e-14, msg=name)
+    layers = model.config.layer_types.count("full_attention")
+    # the backward recomputes each attention layer's kernel, or keeps its outputs and runs none
+    expected = [layers, 2 * layers if recompute_attention else layers]
+    assert attention_calls == expected, f"attention kernel calls without/with checkpointing: {attention_calls}, expected {expected}"
 
 
 def test_checkpointed_passes_make_the_same_keep_choice(monkeypatch):
