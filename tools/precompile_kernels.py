@@ -36,7 +36,7 @@ TARGET = {"kind": "cuda", "arch": "sm_90a"}
 # GDN head layouts (qk heads, v heads) of the training runs: 0.8B and 2B at tp 1, and at tp 2.
 MODEL_HEADS = [(16, 16), (8, 8)]
 MODEL_SEQ_LENS = {"1x8192": [8192], "1x131072": [131072]}
-# The GPU tests' grid (tests/flashqla/test_hopper_forward.py, test_hopper_backward.py): with and without h0,
+# The GPU tests' grid (tests/flashqla/test_hopper_forward.py, test_hopper_backward.py), with and without h0,
 # and one float16 case.
 TEST_HEADS = [(16, 64), (16, 32), (16, 16), (8, 24), (2, 8)]
 TEST_SEQ_LENS = {"1x4096": [4096], "ragged": [1000, 0, 64, 2047, 1, 129, 640], "1x32768": [32768]}
@@ -237,7 +237,8 @@ def main(argv=None) -> None:
     if not args.skip_ours:
         compile_ours(shapes)
         compile_ours(model_shapes, like_the_model=True)
-        compile_ours(test_shapes, with_initial_state=False)
+        for with_initial_state in (False, True):  # the forward and backward grids run both
+            compile_ours(test_shapes, with_initial_state=with_initial_state)
         if test_shapes:
             compile_ours([("4/16 777+1536", (4, 16), [777, 1536])], dtype_name="float16")
             # a group of 16 value heads per qk head: the per-value-head products kernel

@@ -82,8 +82,8 @@ def test_init_from_the_exported_checkpoint_starts_where_training_ended(straight_
     run_dir = workdir / "init_from"
     result = run_command(
         [sys.executable, PRETRAIN] + smoke_overrides(
-            workdir, run_dir, "train.steps=1", f"model.init_from={straight_run / 'hf_final'}", "train.lr=0",
-            "logger.mode=disabled", "train.export_hf=false", "train.checkpoint_at_exit=false",
+            workdir, run_dir, "train.steps=1", "train.warmup_steps=0", f"model.init_from={straight_run / 'hf_final'}",
+            "train.lr=0", "logger.mode=disabled", "train.export_hf=false", "train.checkpoint_at_exit=false",
         ),
         workdir,
     )
