@@ -136,7 +136,7 @@ print(first_call_s(implementations([])["ours"], make_inputs(heads, lens)))' "${N
     tp2)
         # every GPU test that needs two devices (today test_tp2_on_two_gpus_over_nccl_matches_unsharded)
         step pytest-tp2-nccl 240 60 "$PYTHON" -m pytest -m gpu -q -rfE -p no:cacheprovider --timeout=200 \
-            tests/qwen_hybrid/test_tensor_parallel.py tests/train/test_train_tensor_parallel.py
+            tests/qwen_hybrid/test_tensor_parallel.py tests/train/test_train_parallel.py
         step train-0.8B-128k-tp2sp "${TRAIN_TIMEOUT_S:-240}" 150 env OUT="$LOGS" TP=2 SP=1 \
             launch/benchmark.sh 0.8B 131072 tilelang ${TP2_OVERRIDES:-}
         ;;
