@@ -251,7 +251,7 @@ def save(
         _write_json(staging / CONFIG_FILE, hf_config)
         if directory.is_dir():
             _carry_over_other_files(directory, staging)
-        _fsync_dir(staging)
+        fsync_dir(staging)
         _swap_in(staging, directory)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -266,7 +266,7 @@ def _is_checkpoint_file(name: str) -> bool:
 
 def _write_shard(file: Path, tensors: dict[str, torch.Tensor]) -> None:
     save_file(tensors, str(file), metadata={"format": "pt"})
-    _fsync_file(file)
+    fsync_file(file)
 
 
 def _write_json(file: Path, value: dict) -> None:
@@ -276,7 +276,8 @@ def _write_json(file: Path, value: dict) -> None:
         os.fsync(f.fileno())
 
 
-def _fsync_file(file: Path) -> None:
+def fsync_file(file: Path) -> None:
+    """Flush `file`'s data to disk (its writer may be another process)."""
     fd = os.open(file, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -284,7 +285,7 @@ def _fsync_file(file: Path) -> None:
         os.close(fd)
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
     """Make renames and new entries in `directory` durable (POSIX; a no-op where it is not supported)."""
     try:
         fd = os.open(directory, os.O_RDONLY)
@@ -336,5 +337,5 @@ def _swap_in(staging: Path, directory: Path) -> None:
         if moved_aside and not directory.exists():
             previous.rename(directory)
         raise
-    _fsync_dir(directory.parent)
+    fsync_dir(directory.parent)
     shutil.rmtree(previous, ignore_errors=True)

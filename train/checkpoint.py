@@ -30,6 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from qwen_hybrid.checkpoint_io import fsync_dir, fsync_file
 from qwen_hybrid.parallel import ParallelGroups, save_hf_checkpoint
 from train.config import ConfigError
 
@@ -291,7 +292,7 @@ def _commit(checkpoints_dir, temp_dir, final_dir, state, keep, checksum_max_byte
     }
     _write_durably(temp_dir / MANIFEST_FILE, json.dumps(manifest, indent=1, sort_keys=True))
     for directory in sorted({p.parent for p in temp_dir.rglob("*")} | {temp_dir}, reverse=True):
-        _fsync_dir(directory)
+        fsync_dir(directory)
     aside = None
     if final_dir.exists():
         # the same step saved again (another run's, a corrupt one, or a re-save): the new one wins
@@ -300,7 +301,7 @@ def _commit(checkpoints_dir, temp_dir, final_dir, state, keep, checksum_max_byte
         shutil.rmtree(aside, ignore_errors=True)
         os.rename(final_dir, aside)
     os.rename(temp_dir, final_dir)
-    _fsync_dir(checkpoints_dir)
+    fsync_dir(checkpoints_dir)
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
     _write_durably(checkpoints_dir / LATEST_FILE, final_dir.name)
@@ -493,19 +494,7 @@ def _crc32(path: Path) -> str:
 def _fsync_files(directory: Path) -> None:
     for path in directory.rglob("*"):
         if path.is_file() and not path.is_symlink():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+            fsync_file(path)
 
 
 def _write_durably(path: Path, text: str) -> None:
@@ -516,7 +505,7 @@ def _write_durably(path: Path, text: str) -> None:
         file.flush()
         os.fsync(file.fileno())
     os.replace(temporary, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def _all_ranks_succeed(work, what: str) -> None:
