@@ -376,7 +376,7 @@ class GatedAttention(nn.Module):
         self.k_norm = RMSNorm(head_dim, eps=eps)
         self.attention = AttentionCore()
         self.head_exchange = None  # context parallelism (module docstring)
-        # set by the model's checkpointing (QwenHybridModel.keep_attention): recompute the projections
+        # set by set_activation_checkpointing(recompute_attention=False): recompute the projections
         # and the output in the backward but keep the attention kernel's inputs and outputs
         self.checkpoint_around_attention = False
 

@@ -239,16 +239,7 @@ def save_checkpoint(
     docstring), points `latest` at it, then keeps the newest `keep` complete checkpoints of this
     run (state.run_id; an empty one is replaced by a fresh id, in place). Returns the directory."""
     rank = dist.get_rank()
-    if getattr(engine.checkpoint_engine, "is_decoupled", lambda: False)():
-        raise ConfigError(
-            f"save_checkpoint: DeepSpeed's checkpoint engine {type(engine.checkpoint_engine).__name__} writes after "
-            f"save_checkpoint returns; expected the default (synchronous) torch checkpoint engine"
-        )
-    if getattr(engine, "use_node_local_storage", lambda: False)():
-        raise ConfigError(
-            "save_checkpoint: DeepSpeed's checkpoint.use_node_local_storage is on; expected off (rank 0 lists, "
-            "verifies and renames every rank's files, so all ranks must write into the shared run directory)"
-        )
+    check_engine_saves_atomically(engine)
     if not state.run_id:
         state.run_id = new_run_id()
     checkpoints_dir = Path(run_dir) / CHECKPOINTS_DIR
@@ -262,7 +253,8 @@ def save_checkpoint(
 
     _rank_zero_succeeds(prepare if rank == 0 else None, f"preparing {temp_dir}")  # also the barrier
 
-    torch.save(_rng_state(), temp_dir / f"rng_rank{rank}.pt")
+    # a rank that fails here must not leave the others waiting in DeepSpeed's collectives
+    _all_ranks_succeed(lambda: torch.save(_rng_state(), temp_dir / f"rng_rank{rank}.pt"), f"RNG state into {temp_dir}")
     engine.save_checkpoint(
         str(checkpoints_dir), tag=temp_dir.name, client_state={"trainer_state": asdict(state)}, save_latest=False
     )  # ends in a barrier: every rank's files are written and closed
@@ -274,6 +266,21 @@ def save_checkpoint(
 
     _rank_zero_succeeds(commit if rank == 0 else None, f"commit of {final_dir}")
     return final_dir
+
+
+def check_engine_saves_atomically(engine) -> None:
+    """ConfigError for DeepSpeed checkpoint settings these saves cannot make atomic; the trainer
+    calls it right after building the engine, before the first step."""
+    if getattr(engine.checkpoint_engine, "is_decoupled", lambda: False)():
+        raise ConfigError(
+            f"deepspeed.overrides.checkpoint: DeepSpeed's checkpoint engine {type(engine.checkpoint_engine).__name__} "
+            "writes after save_checkpoint returns; expected the default (synchronous) torch checkpoint engine"
+        )
+    if getattr(engine, "use_node_local_storage", lambda: False)():
+        raise ConfigError(
+            "deepspeed.overrides.checkpoint.use_node_local_storage=true: expected false (rank 0 lists, verifies and "
+            "renames every rank's files, so all ranks must write into the shared run directory)"
+        )
 
 
 def _commit(checkpoints_dir, temp_dir, final_dir, state, keep, checksum_max_bytes) -> None:
@@ -300,7 +307,12 @@ def _commit(checkpoints_dir, temp_dir, final_dir, state, keep, checksum_max_byte
         log.warning(f"{final_dir}: replacing the existing directory ({_describe(final_dir)}) with the new checkpoint")
         shutil.rmtree(aside, ignore_errors=True)
         os.rename(final_dir, aside)
-    os.rename(temp_dir, final_dir)
+    try:
+        os.rename(temp_dir, final_dir)
+    except BaseException:
+        if aside is not None:  # the old one back under its name: a later save would delete the aside copy
+            os.rename(aside, final_dir)
+        raise
     fsync_dir(checkpoints_dir)
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
@@ -379,12 +391,7 @@ def load_checkpoint(engine, point: ResumePoint, tp_size: int) -> TrainerState:
                 f"{tag_dir}: the ranks chose different checkpoints to resume ({', '.join(sorted(set(chosen)))}); "
                 f"expected one for all (call find_resume_point after torch.distributed is up, or on a shared run_dir)"
             )
-    saved_tp = _tensor_parallel_size_of(tag_dir)
-    if saved_tp is not None and saved_tp != tp_size:
-        raise ConfigError(
-            f"train.resume: checkpoint {tag_dir} holds parallel.tp={saved_tp} shards, this "
-            f"run has parallel.tp={tp_size}; resume with parallel.tp={saved_tp} (the data-parallel size may change)"
-        )
+    _check_tensor_parallel_size(tag_dir, tp_size)
     reading = [None]
     checkpoint_engine = engine.checkpoint_engine
     own_load = checkpoint_engine.__dict__.get("load")
@@ -422,6 +429,28 @@ def load_checkpoint(engine, point: ResumePoint, tp_size: int) -> TrainerState:
         _set_rng_state(rng_state)
     known = {f.name for f in fields(TrainerState)}
     return TrainerState(**{k: v for k, v in client_state["trainer_state"].items() if k in known})
+
+
+def check_resume_point(point: ResumePoint, tp_size: int, steps: int) -> None:
+    """ConfigError where this run cannot continue from `point`: checked before anything is written."""
+    tag_dir = point.checkpoints_dir / point.tag
+    _check_tensor_parallel_size(tag_dir, tp_size)
+    if (tag_dir / MANIFEST_FILE).is_file():
+        saved_step = read_manifest(tag_dir)["step"]
+        if saved_step > steps:
+            raise ConfigError(
+                f"train.steps={steps}: the checkpoint to resume ({tag_dir}) is at step {saved_step}; expected "
+                f"train.steps >= {saved_step} (the schedule's length; raise it to train on)"
+            )
+
+
+def _check_tensor_parallel_size(tag_dir: Path, tp_size: int) -> None:
+    saved_tp = _tensor_parallel_size_of(tag_dir)
+    if saved_tp is not None and saved_tp != tp_size:
+        raise ConfigError(
+            f"train.resume: checkpoint {tag_dir} holds parallel.tp={saved_tp} shards, this "
+            f"run has parallel.tp={tp_size}; resume with parallel.tp={saved_tp} (the data-parallel size may change)"
+        )
 
 
 def _manifest_verdict(tag_dir: Path) -> str:

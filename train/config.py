@@ -120,6 +120,12 @@ def validate_config(cfg: DictConfig) -> None:
         raise ConfigError(f"deepspeed.offload_param=true: expected deepspeed.zero_stage=3, got {ds.zero_stage}")
     if not isinstance(ds.overrides, DictConfig):
         raise ConfigError(f"deepspeed.overrides={ds.overrides!r}: expected a mapping of DeepSpeed config keys")
+    checkpoint_overrides = ds.overrides.get("checkpoint") or {}
+    if checkpoint_overrides.get("use_node_local_storage", False):
+        raise ConfigError(
+            "deepspeed.overrides.checkpoint.use_node_local_storage=true: expected false (rank 0 verifies and renames "
+            "every rank's checkpoint files, so all ranks write into the shared run directory)"
+        )
 
     _choice("logger.mode", cfg.logger.mode, LOGGER_MODES)
 

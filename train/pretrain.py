@@ -24,7 +24,6 @@ import shutil
 import signal
 import socket
 import sys
-import uuid
 from contextlib import closing
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -58,9 +57,12 @@ from train.checkpoint import (
     HF_EXPORT_DIR,
     ResumePoint,
     TrainerState,
+    check_engine_saves_atomically,
+    check_resume_point,
     export_hf,
     find_resume_point,
     load_checkpoint,
+    new_run_id,
     save_checkpoint,
 )
 from train.config import ConfigError, check_environment, check_parallel_layout, deepspeed_config, validate_config
@@ -149,7 +151,8 @@ def preflight(cfg: DictConfig) -> ResumePoint | None:
     validate_config(cfg)
     check_parallel_layout(cfg, int(os.environ.get("WORLD_SIZE", 1)))
     check_environment(cfg)
-    tokens = _dataset_tokens(cfg)
+    tokens, data_vocab = _dataset_size(cfg)
+    check_model_fits(cfg, model_config(cfg), data_vocab)
     if tokens < cfg.train.tokens_per_micro_batch:
         raise ConfigError(
             f"train.tokens_per_micro_batch={cfg.train.tokens_per_micro_batch}: the dataset "
@@ -165,6 +168,8 @@ def preflight(cfg: DictConfig) -> ResumePoint | None:
             if not message.startswith("train.resume"):
                 message = f"train.resume={cfg.train.resume!r}: {message}"
             raise ConfigError(message) from error
+        if resume_point is not None:
+            check_resume_point(resume_point, cfg.parallel.tp, cfg.train.steps)
     if cfg.run_dir is not None and cfg.train.resume is None and not cfg.train.overwrite:
         found = [name for name in RUN_MARKERS if (Path(str(cfg.run_dir)) / name).exists()]
         if found:
@@ -175,15 +180,59 @@ def preflight(cfg: DictConfig) -> ResumePoint | None:
     return resume_point
 
 
-def _dataset_tokens(cfg: DictConfig) -> int:
+def _dataset_size(cfg: DictConfig) -> tuple[int, int]:
+    """(tokens, vocabulary size) of the dataset the run will read, without building it."""
     if cfg.data.path is not None:
         try:
-            return PackedDataset(cfg.data.path).num_tokens
+            dataset = PackedDataset(cfg.data.path)
         except (ValueError, OSError) as error:
             raise ConfigError(f"data.path={cfg.data.path!r}: {error}") from error
-    # what build_embedded_dataset will write (bytes plus one end-of-document id), without writing it
+        return dataset.num_tokens, dataset.vocab_size
+    # what build_embedded_dataset will write (bytes plus one end-of-document id)
     tokenizer = ByteTokenizer()
-    return sum(len(tokenizer.encode(text)) + 1 for text in embedded_documents(cfg.data.embedded_documents))
+    tokens = sum(len(tokenizer.encode(text)) + 1 for text in embedded_documents(cfg.data.embedded_documents))
+    return tokens, tokenizer.vocab_size
+
+
+def model_config(cfg: DictConfig) -> QwenHybridConfig:
+    """The whole model's config: the named size or model.init_from's config.json, with overrides."""
+    overrides = {"gdn_backend": cfg.model.gdn_backend}
+    if cfg.model.vocab_size is not None:
+        overrides["vocab_size"] = cfg.model.vocab_size
+    if cfg.model.init_from is not None:
+        return QwenHybridConfig.from_hf(read_config(cfg.model.init_from), **overrides)
+    return QwenHybridConfig.named(cfg.model.name, **overrides)
+
+
+def check_model_fits(cfg: DictConfig, config: QwenHybridConfig, data_vocab: int) -> None:
+    """What the model's shapes must satisfy: the tp and cp splits, the data's token ids, the
+    kernels the GDN backend names."""
+    tp, cp, sequence_parallel = cfg.parallel.tp, cfg.parallel.cp, cfg.parallel.sequence_parallel
+    name = cfg.model.init_from or cfg.model.name
+    try:
+        plan_tensor_parallel(config, tp, 0, sequence_parallel)
+    except ValueError as error:
+        raise ConfigError(f"parallel.tp={tp}: model {name} does not split over {tp} ranks: {error}")
+    try:
+        plan_context_parallel(config, cp, 0, tp)
+    except ValueError as error:
+        raise ConfigError(f"parallel.cp={cp}: model {name} does not split over {cp} ranks "
+                          f"(with parallel.tp={tp}): {error}")
+    if data_vocab > config.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size: the model has {config.vocab_size} token ids but the data uses {data_vocab} "
+            "(set model.vocab_size or use data tokenized for this model)"
+        )
+    head_dims = (config.linear_key_head_dim, config.linear_value_head_dim)
+    backends = [("model.gdn_backend", cfg.model.gdn_backend)]
+    backends += [(f"benchmark.compare_backends[{i}]", b) for i, b in enumerate(cfg.benchmark.compare_backends)]
+    for key, backend in backends:
+        if backend == "tilelang" and head_dims != (128, 128):
+            raise ConfigError(f"{key}='tilelang': the kernels take GDN head dims K = V = 128, model {name} has "
+                              f"K = {head_dims[0]}, V = {head_dims[1]} (use 'auto' or 'torch')")
+        if backend == "tilelang" and cfg.train.precision != "bf16":
+            raise ConfigError(f"{key}='tilelang': the kernels take bf16 or fp16 activations, expected "
+                              f"train.precision=bf16, got {cfg.train.precision!r} (use 'auto' or 'torch')")
 
 
 def agree_on_run_dir(cfg: DictConfig, resume_point: ResumePoint | None) -> Path:
@@ -225,30 +274,12 @@ def build_model(
 ) -> QwenHybridForCausalLM:
     """This rank's model: whole with parallel.tp=1, otherwise its tensor-parallel shard (heads,
     MLP rows and vocabulary split over the tp group), ready for the optimizer and DeepSpeed."""
+    config = model_config(cfg)
+    check_model_fits(cfg, config, data_vocab)  # preflight asked already; callers without it get the same errors
+    init_from, sequence_parallel = cfg.model.init_from, cfg.parallel.sequence_parallel
     overrides = {"gdn_backend": cfg.model.gdn_backend}
     if cfg.model.vocab_size is not None:
         overrides["vocab_size"] = cfg.model.vocab_size
-    init_from = cfg.model.init_from
-    if init_from is not None:
-        config = QwenHybridConfig.from_hf(read_config(init_from), **overrides)
-    else:
-        config = QwenHybridConfig.named(cfg.model.name, **overrides)
-    tp, cp, sequence_parallel = cfg.parallel.tp, cfg.parallel.cp, cfg.parallel.sequence_parallel
-    # fail before any weights are read or built
-    try:
-        plan_tensor_parallel(config, tp, 0, sequence_parallel)
-    except ValueError as error:
-        raise ConfigError(f"parallel.tp={tp}: model {init_from or cfg.model.name} does not split over {tp} ranks: {error}")
-    try:
-        plan_context_parallel(config, cp, 0, tp)
-    except ValueError as error:
-        raise ConfigError(f"parallel.cp={cp}: model {init_from or cfg.model.name} does not split over {cp} ranks "
-                          f"(with parallel.tp={tp}): {error}")
-    if data_vocab > config.vocab_size:
-        raise ConfigError(
-            f"model.vocab_size: the model has {config.vocab_size} token ids but the data uses {data_vocab} "
-            "(set model.vocab_size or use data tokenized for this model)"
-        )
     if init_from is not None:
         # each rank reads only its own slices of the checkpoint
         model = load_sharded_hf_checkpoint(
@@ -363,8 +394,9 @@ def setup(cfg: DictConfig, resume_point: ResumePoint | None) -> Run:
     model = build_model(cfg, device, dtype, dataset.vocab_size, groups)
     num_parameters = count_parameters(model)
     engine = build_engine(cfg, model, device, groups)
+    check_engine_saves_atomically(engine)  # DeepSpeed settings the checkpoints cannot honour, before step 1
 
-    state = TrainerState(run_id=_agreed_run_id())
+    state = TrainerState(run_id=new_run_id())
     if resume_point is not None:
         state = load_checkpoint(engine, resume_point, cfg.parallel.tp)
         log.info(f"resumed from {resume_point.checkpoints_dir / resume_point.tag} at step {state.step}")
@@ -395,13 +427,6 @@ def setup(cfg: DictConfig, resume_point: ResumePoint | None) -> Run:
         matmul_params=matmul_parameters(num_parameters, engine.module.config),
         peak_tflops=peak_tflops(device, cfg.benchmark.peak_tflops),
     )
-
-
-def _agreed_run_id() -> str:
-    """One id for this run on every rank; checkpoints carry it so pruning never touches another run's."""
-    chosen = [uuid.uuid4().hex if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(chosen, src=0)
-    return chosen[0]
 
 
 def train_step(run: "Run", data_position: int) -> tuple[torch.Tensor, float]:
@@ -487,9 +512,10 @@ def train_loop(run: Run) -> int:
             lr = engine.get_lr()[0]
             with run.instruments.step(step) as timing:
                 loss_sum, flops = train_step(run, state.data_position)
-            state.step = step
-            state.data_position += train_cfg.gradient_accumulation * run.groups.dp_size
-            state.tokens_seen += run.tokens_per_step
+                # counted as soon as the optimizer stepped, so a save on error names the weights it holds
+                state.step = step
+                state.data_position += train_cfg.gradient_accumulation * run.groups.dp_size
+                state.tokens_seen += run.tokens_per_step
             summary = agree_on_step(run, loss_sum, flops, stop)
 
             grad_norm = engine.get_global_grad_norm()
@@ -524,9 +550,8 @@ def train_loop(run: Run) -> int:
                 log.error(
                     f"training diverged: {len(guard.streak)} steps in a row ({guard.streak[0]}-{step}) had a non-finite "
                     f"loss or gradient norm or were skipped by DeepSpeed (loss {summary.loss}, grad norm {grad_norm}, "
-                    f"train.max_bad_steps={train_cfg.max_bad_steps}); stopping without saving. The last good checkpoint "
-                    f"(step {saved_step}) is kept in {run.run_dir / CHECKPOINTS_DIR}; lower train.lr or raise "
-                    "train.max_bad_steps"
+                    f"train.max_bad_steps={train_cfg.max_bad_steps}); stopping without saving. "
+                    f"{_last_good(saved_step, run.run_dir)}; lower train.lr or raise train.max_bad_steps"
                 )
                 return EXIT_DIVERGED
             exiting = summary.stop_requested or step == last_step
@@ -539,6 +564,13 @@ def train_loop(run: Run) -> int:
             if summary.stop_requested:
                 log.info(f"\nstopped by signal at step {step}; last checkpoint: step {saved_step} in {run.run_dir}")
                 return 128 + (stop.signal_number or signal.SIGTERM)
+        if guard.in_bad_streak:
+            log.error(
+                f"the run ended at step {state.step} in {len(guard.streak)} bad step(s) (from step {guard.streak[0]}: "
+                f"loss {summary.loss}, grad norm {grad_norm}); neither a checkpoint nor the HF export was written. "
+                f"{_last_good(saved_step, run.run_dir)}"
+            )
+            return EXIT_DIVERGED
         if state.step == train_cfg.steps:
             if run.metrics is not None:
                 run.instruments.log_comparison(run.metrics, state.step)
@@ -548,13 +580,20 @@ def train_loop(run: Run) -> int:
     except BaseException:
         # With several ranks a failure may leave the others blocked in a collective, where saving
         # would hang; the last periodic checkpoint stays valid either way.
+        # only where the weights are those of state.step (an error inside the step leaves them unknown)
         if (run.world_size == 1 and state.step > start_step and saved_step != state.step
-                and train_cfg.checkpoint_at_exit and not guard.in_bad_streak):
+                and engine.global_steps == state.step and train_cfg.checkpoint_at_exit and not guard.in_bad_streak):
             log.warning(f"saving a checkpoint at step {state.step} before exiting on the error")
             save_checkpoint(engine, run.run_dir, state, train_cfg.keep_checkpoints)
         raise
     finally:
         progress.close()
+
+
+def _last_good(saved_step: int | None, run_dir: Path) -> str:
+    if saved_step is None:
+        return "No checkpoint of this run was saved"
+    return f"The last good checkpoint (step {saved_step}) is kept in {run_dir / CHECKPOINTS_DIR}"
 
 
 def train(cfg: DictConfig) -> int:

@@ -50,6 +50,28 @@ def test_schedule_dataset_and_resume_errors_name_their_key(tmp_path):
     assert list(tmp_path.iterdir()) == []  # preflight writes nothing
 
 
+def test_model_shape_errors_come_before_anything_is_written(tmp_path, monkeypatch):
+    from train.pretrain import check_model_fits, model_config
+
+    monkeypatch.setenv("WORLD_SIZE", "16")  # as a 16-rank launch would: the layout fits, the model does not
+    run_dir = tmp_path / "run"
+    cases = [
+        (("model.vocab_size=100",), "model.vocab_size: the model has 100 token ids but the data uses 257"),
+        (("parallel.cp=16",), "parallel.cp=16: model tiny does not split over 16 ranks"),
+        (("+deepspeed.overrides.checkpoint.use_node_local_storage=true",),
+         "deepspeed.overrides.checkpoint.use_node_local_storage=true: expected false"),
+    ]
+    for overrides, message in cases:
+        with pytest.raises(ConfigError) as error:
+            preflight(_compose(f"run_dir={run_dir}", *overrides))
+        assert str(error.value).startswith(message), (overrides, str(error.value))
+    assert not run_dir.exists()
+    # the kernels' dtype and head dims, asked of the model's config (the CPU machine fails earlier, on the device)
+    cfg = _compose("model.gdn_backend=tilelang")
+    with pytest.raises(ConfigError, match=r"^model.gdn_backend='tilelang': the kernels take GDN head dims K = V = 128"):
+        check_model_fits(cfg, model_config(cfg), 257)
+
+
 def test_run_dir_holding_a_run_refuses_a_fresh_start(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 6.0}\n')
     with pytest.raises(ConfigError, match=r"^run_dir=.*holds an earlier run \(metrics.jsonl\).*train.resume=auto"):
@@ -89,6 +111,18 @@ def test_divergence_stops_with_exit_3_and_keeps_the_last_good_checkpoint(workdir
     point = find_resume_point("auto", str(run_dir))
     assert point.tag == f"step_{last_good:08d}", "the last good checkpoint must stay the one to resume from"
     assert not (run_dir / "hf_final").exists()
+    # a run that ends inside a bad streak shorter than the limit: no checkpoint, no export, exit 3
+    ended_bad = workdir / "ended_bad"
+    result = run_command(
+        [sys.executable, PRETRAIN] + smoke_overrides(
+            workdir, ended_bad, "train.steps=2", "train.warmup_steps=1", "train.lr=1e6", "train.max_bad_steps=5",
+            "logger.mode=disabled",
+        ),
+        workdir,
+    )
+    assert result.returncode == 3, result.stderr[-3000:]
+    assert "the run ended at step 2 in 1 bad step(s)" in result.stderr
+    assert not (ended_bad / "hf_final").exists() and find_resume_point("auto", str(ended_bad)) is None
 
 
 def test_torn_metrics_line_is_dropped_on_resume_and_a_rerun_needs_resume_or_overwrite(workdir):
@@ -113,3 +147,6 @@ def test_torn_metrics_line_is_dropped_on_resume_and_a_rerun_needs_resume_or_over
         workdir)
     assert overwritten.returncode == 0, overwritten.stderr[-3000:]
     assert [r["step"] for r in step_records(run_dir)] == [1, 2]
+    # resuming a checkpoint past the schedule's end is refused before anything runs
+    with pytest.raises(ConfigError, match=r"^train.steps=1: the checkpoint to resume .* is at step 2"):
+        preflight(_compose(f"run_dir={run_dir}", "train.resume=auto", "train.steps=1", "train.warmup_steps=0"))
