@@ -304,7 +304,7 @@ def build_model(
 
 def count_parameters(model: QwenHybridForCausalLM) -> int:
     """Parameters of the whole model, also when this rank holds only its tensor-parallel shard."""
-    plan = getattr(model, "tensor_parallel_plan", None)
+    plan = model.tensor_parallel_plan
     total = 0
     for name, parameter in model.named_parameters():
         shard = plan.shards.get(name) if plan is not None else None

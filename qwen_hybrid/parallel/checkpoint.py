@@ -68,7 +68,7 @@ def save_hf_checkpoint(
     """
     if groups.dp_rank != 0 or groups.cp_rank != 0:
         return
-    if getattr(model, "tensor_parallel_plan", None) is None:
+    if model.tensor_parallel_plan is None:
         model.save_pretrained(path, max_shard_bytes=max_shard_bytes)
         return
     state = gather_full_state_dict(model, groups)
