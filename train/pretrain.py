@@ -523,23 +523,7 @@ def train_loop(run: Run) -> int:
             skipped = engine.skipped_steps > skipped_before
             skipped_before = engine.skipped_steps
             bad = guard.observe(step, summary.loss, grad_norm, skipped)
-            record = {
-                "step": step,
-                "loss": summary.loss,
-                "lr": lr,
-                "grad_norm": grad_norm,
-                "tokens_per_s": run.tokens_per_step / timing.seconds,
-                "step_time_s": timing.seconds,
-                "model_tflops_per_s": summary.flops / timing.seconds / 1e12,
-                **({"mfu": summary.flops / timing.seconds / 1e12 / (run.world_size * run.peak_tflops)}
-                   if run.peak_tflops else {}),
-                "peak_memory_gib": summary.peak_gib,  # the largest over ranks
-                **({"peak_memory_reserved_gib": summary.peak_reserved_gib} if run.device.type == "cuda" else {}),
-                "tokens_seen": state.tokens_seen,
-                "skipped_steps": engine.skipped_steps,
-                "bad_step": bad,
-                **run.instruments.record(step, timing),
-            }
+            record = step_record(run, lr, summary, grad_norm, bad, timing)
             if run.metrics is not None:
                 run.metrics.log(record)
                 run.records.append(record)
@@ -564,23 +548,11 @@ def train_loop(run: Run) -> int:
             if summary.stop_requested:
                 log.info(f"\nstopped by signal at step {step}; last checkpoint: step {saved_step} in {run.run_dir}")
                 return 128 + (stop.signal_number or signal.SIGTERM)
-        if guard.in_bad_streak:
-            log.error(
-                f"the run ended at step {state.step} in {len(guard.streak)} bad step(s) (from step {guard.streak[0]}: "
-                f"loss {summary.loss}, grad norm {grad_norm}); neither a checkpoint nor the HF export was written. "
-                f"{_last_good(saved_step, run.run_dir)}"
-            )
-            return EXIT_DIVERGED
-        if state.step == train_cfg.steps:
-            if run.metrics is not None:
-                run.instruments.log_comparison(run.metrics, state.step)
-            if train_cfg.export_hf:
-                export_hf(engine, run.run_dir, run.groups)
-        return 0
+        return finish(run, guard, saved_step)
     except BaseException:
         # With several ranks a failure may leave the others blocked in a collective, where saving
-        # would hang; the last periodic checkpoint stays valid either way.
-        # only where the weights are those of state.step (an error inside the step leaves them unknown)
+        # would hang; the last periodic checkpoint stays valid either way. Saved only where the
+        # weights are those of state.step (an error inside the step leaves them unknown).
         if (run.world_size == 1 and state.step > start_step and saved_step != state.step
                 and engine.global_steps == state.step and train_cfg.checkpoint_at_exit and not guard.in_bad_streak):
             log.warning(f"saving a checkpoint at step {state.step} before exiting on the error")
@@ -588,6 +560,44 @@ def train_loop(run: Run) -> int:
         raise
     finally:
         progress.close()
+
+
+def step_record(run: Run, lr: float, summary: StepSummary, grad_norm: float | None, bad: bool, timing) -> dict:
+    """The step's line in metrics.jsonl and W&B (run.state already counts the step)."""
+    seconds = timing.seconds
+    return {
+        "step": run.state.step,
+        "loss": summary.loss,
+        "lr": lr,
+        "grad_norm": grad_norm,
+        "tokens_per_s": run.tokens_per_step / seconds,
+        "step_time_s": seconds,
+        "model_tflops_per_s": summary.flops / seconds / 1e12,
+        **({"mfu": summary.flops / seconds / 1e12 / (run.world_size * run.peak_tflops)} if run.peak_tflops else {}),
+        "peak_memory_gib": summary.peak_gib,  # the largest over ranks
+        **({"peak_memory_reserved_gib": summary.peak_reserved_gib} if run.device.type == "cuda" else {}),
+        "tokens_seen": run.state.tokens_seen,
+        "skipped_steps": run.engine.skipped_steps,
+        "bad_step": bad,
+        **run.instruments.record(run.state.step, timing),
+    }
+
+
+def finish(run: Run, guard: DivergenceGuard, saved_step: int | None) -> int:
+    """After the last step of this process: exit 3 without export when it ended in bad steps;
+    at train.steps, the backend comparison's summary and the HF export."""
+    if guard.in_bad_streak:
+        log.error(
+            f"the run ended at step {run.state.step} in {len(guard.streak)} bad step(s) (from step {guard.streak[0]}); "
+            f"neither a checkpoint nor the HF export was written. {_last_good(saved_step, run.run_dir)}"
+        )
+        return EXIT_DIVERGED
+    if run.state.step == run.cfg.train.steps:
+        if run.metrics is not None:
+            run.instruments.log_comparison(run.metrics, run.state.step)
+        if run.cfg.train.export_hf:
+            export_hf(run.engine, run.run_dir, run.groups)
+    return 0
 
 
 def _last_good(saved_step: int | None, run_dir: Path) -> str:
