@@ -135,6 +135,15 @@ def causal_conv1d_silu(x: torch.Tensor, weight: torch.Tensor, position_in_doc: t
 _fused_conv1d_silu = fused(causal_conv1d_silu)
 
 
+def positions_in_documents(length: int, cu_seqlens: torch.Tensor | None, device) -> torch.Tensor:
+    """[length] int64: each token's position in its document of `cu_seqlens` (0.. length - 1 without)."""
+    positions = torch.arange(length, device=device)
+    if cu_seqlens is None:
+        return positions
+    starts = cu_seqlens.to(device=device, dtype=torch.long)
+    return positions - starts[torch.searchsorted(starts[1:], positions, right=True)]
+
+
 class CausalConv1d(nn.Module):
     """Depthwise causal conv over time followed by SiLU, restarting at each document of `cu_seqlens`.
 
@@ -151,11 +160,7 @@ class CausalConv1d(nn.Module):
                 channels: list[tuple[int, int]] | None = None) -> torch.Tensor:
         """x: [B, T, C] -> [B, T, C]. `channels`: the weight rows [start, end) that x's channels
         are, in order (a head group's under context parallelism); default all of them."""
-        position_in_doc = None
-        if cu_seqlens is not None:
-            tokens = torch.arange(x.shape[1], device=x.device)
-            starts = cu_seqlens.to(device=x.device, dtype=torch.long)
-            position_in_doc = tokens - starts[torch.searchsorted(starts[1:], tokens, right=True)]
+        position_in_doc = None if cu_seqlens is None else positions_in_documents(x.shape[1], cu_seqlens, x.device)
         weight = self.weight
         if channels is not None:
             weight = torch.cat([weight[start:end] for start, end in channels])
@@ -483,10 +488,15 @@ class DecoderLayer(nn.Module):
             hidden = hidden + self.linear_attn(mixer_input, cu_seqlens, cu_seqlens_cpu)
         else:
             hidden = hidden + self.self_attn(mixer_input, cos, sin, cu_seqlens, max_seqlen)
-        if self.layer_type == "full_attention" and self.self_attn.checkpoint_around_attention and torch.is_grad_enabled():
-            # the layer is not checkpointed as a whole (that would recompute the attention too)
+        if self.checkpoints_itself and torch.is_grad_enabled():
             return hidden + checkpoint(self._mlp_block, hidden, use_reentrant=False)
         return hidden + self._mlp_block(hidden)
+
+    @property
+    def checkpoints_itself(self) -> bool:
+        """An attention layer that keeps its attention kernel's tensors checkpoints its parts itself:
+        checkpointing the layer as a whole would recompute the attention too."""
+        return self.layer_type == "full_attention" and self.self_attn.checkpoint_around_attention
 
     def _mlp_block(self, hidden):
         return self.mlp(self.post_attention_layernorm(hidden))

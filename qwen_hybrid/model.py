@@ -12,7 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 from qwen_hybrid import checkpoint_io
 from qwen_hybrid.config import QwenHybridConfig
-from qwen_hybrid.layers import DecoderLayer, RMSNorm
+from qwen_hybrid.layers import DecoderLayer, RMSNorm, positions_in_documents
 from qwen_hybrid.loss import DEFAULT_CHUNK_SIZE, IGNORE_INDEX, chunked_cross_entropy
 
 
@@ -53,11 +53,11 @@ class QwenHybridModel(nn.Module):
         cos = sin = None
         if "full_attention" in self.config.layer_types:
             if position_ids is None:
-                position_ids = _positions(batch, length, cu_seqlens, input_ids.device)
+                position_ids = positions_in_documents(length, cu_seqlens, input_ids.device).expand(batch, length)
             cos, sin = _rotary_tables(position_ids, self.config.rotary_dim, self.config.rope_theta)
         hidden = self.embed_tokens(input_ids)
         for layer in self.layers:
-            if self.activation_checkpointing and torch.is_grad_enabled() and not _checkpoints_itself(layer):
+            if self.activation_checkpointing and torch.is_grad_enabled() and not layer.checkpoints_itself:
                 hidden = checkpoint(layer, hidden, cos, sin, cu_seqlens, max_seqlen, cu_seqlens_cpu,
                                     use_reentrant=False)
             else:
@@ -187,10 +187,6 @@ class QwenHybridForCausalLM(nn.Module):
         checkpoint_io.save(path, self.config, self.state_dict(), max_shard_bytes=max_shard_bytes)
 
 
-def _checkpoints_itself(layer: DecoderLayer) -> bool:
-    return layer.layer_type == "full_attention" and layer.self_attn.checkpoint_around_attention
-
-
 def shift_labels(labels: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
     """Targets for next-token prediction: position t is scored against labels[t + 1]; the last
     position of each row, and with cu_seqlens the last token of each document, get none."""
@@ -200,15 +196,6 @@ def shift_labels(labels: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -
         last_tokens = cu_seqlens[1:].to(torch.long) - 1
         targets[0, last_tokens[last_tokens >= 0]] = IGNORE_INDEX
     return targets
-
-
-def _positions(batch: int, length: int, cu_seqlens: torch.Tensor | None, device) -> torch.Tensor:
-    positions = torch.arange(length, device=device)
-    if cu_seqlens is not None:
-        starts = cu_seqlens.to(device=device, dtype=torch.long)
-        doc_of_token = torch.searchsorted(starts[1:], positions, right=True)
-        positions = positions - starts[doc_of_token]
-    return positions.unsqueeze(0).expand(batch, length)
 
 
 def _rotary_tables(position_ids: torch.Tensor, rotary_dim: int, theta: float):

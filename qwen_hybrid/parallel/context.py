@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from qwen_hybrid.config import QwenHybridConfig
 from qwen_hybrid.loss import IGNORE_INDEX
+from qwen_hybrid.layers import positions_in_documents
 from qwen_hybrid.model import QwenHybridForCausalLM, shift_labels
 from qwen_hybrid.parallel.collectives import (
     all_reduce_staged,
@@ -223,7 +224,6 @@ def context_parallel_slice(
         labels = input_ids
     if tuple(labels.shape) != (batch, length):
         raise ValueError(f"labels must be [B, T] = {(batch, length)} like input_ids, got {tuple(labels.shape)}")
-    positions = torch.arange(length, device=input_ids.device)
     if cu_seqlens is not None:
         if batch != 1:
             raise ValueError(f"cu_seqlens needs input_ids with B = 1 (documents packed in one row), got B = {batch}")
@@ -232,8 +232,7 @@ def context_parallel_slice(
             b < a for a, b in zip(bounds[:-1], bounds[1:])
         ):
             raise ValueError(f"cu_seqlens must start at 0, end at T = {length} and not decrease, got {bounds[:8]}")
-        starts = cu_seqlens.to(device=input_ids.device, dtype=torch.long)
-        positions = positions - starts[torch.searchsorted(starts[1:], positions, right=True)]
+    positions = positions_in_documents(length, cu_seqlens, input_ids.device)
     targets = shift_labels(labels, None if cu_seqlens is None else cu_seqlens.to(labels.device))
     chunk = length // cp_size
     window = slice(cp_rank * chunk, (cp_rank + 1) * chunk)
