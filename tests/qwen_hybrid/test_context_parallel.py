@@ -31,7 +31,7 @@ from qwen_hybrid.parallel import (
     plan_context_parallel,
     shard_model,
 )
-from test_tensor_parallel import _ProcessWorld, _random_model, _tiny_config
+from test_tensor_parallel import _assert_engine_follows_reference_step, _ProcessWorld, _random_model, _tiny_config
 
 TOLERANCE = 1e-9
 NUM_TOKENS = 96
@@ -331,17 +331,7 @@ def _check_deepspeed_averages_over_dp_and_cp(zero_stage: int, num_steps: int) ->
         loss = engine(**part.model_inputs()).loss
         engine.backward(loss)
         engine.step()
-
-        reference_losses = [reference(ids, cu_seqlens=cu, labels=lab).loss for ids, cu, lab in batches]
-        torch.stack(reference_losses).mean().backward()
-        reference_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in reference.parameters()]))
-        reference_optimizer.step()
-        reference_optimizer.zero_grad()
-
-        expected_loss = reference_losses[groups.dp_rank]
-        assert relative_error(loss.detach(), expected_loss.detach()) <= 1e-5, (step, loss.item(), expected_loss.item())
-        grad_norm = torch.tensor(float(engine.get_global_grad_norm()))
-        assert relative_error(grad_norm, reference_norm) <= 1e-4, (step, grad_norm.item(), reference_norm.item())
+        _assert_engine_follows_reference_step(engine, loss, reference, reference_optimizer, batches, groups.dp_rank, step)
 
 
 @pytest.mark.parametrize("zero_stage", [1, 3])

@@ -465,6 +465,21 @@ def test_shards_of_every_rank_tile_each_parameter_exactly_once():
     assert plans[0].local_heads["model.layers.3.self_attn"] == {"num_heads": 2, "num_kv_heads": 1}
 
 
+def _assert_engine_follows_reference_step(engine, loss, reference, reference_optimizer, batches, dp_rank, step):
+    """One optimizer step of the unsharded reference on the mean loss of every replica's batch; the
+    engine's loss on this replica and its global gradient norm must match it."""
+    reference_losses = [reference(ids, cu_seqlens=cu, labels=lab).loss for ids, cu, lab in batches]
+    torch.stack(reference_losses).mean().backward()
+    reference_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in reference.parameters()]))
+    reference_optimizer.step()
+    reference_optimizer.zero_grad()
+
+    expected_loss = reference_losses[dp_rank]
+    assert relative_error(loss.detach(), expected_loss.detach()) <= 1e-5, (step, loss.item(), expected_loss.item())
+    grad_norm = torch.tensor(float(engine.get_global_grad_norm()))
+    assert relative_error(grad_norm, reference_norm) <= 1e-4, (step, grad_norm.item(), reference_norm.item())
+
+
 def _check_deepspeed_zero_over_data_parallel_group(
     zero_stage: int, sequence_parallel: bool, num_steps: int, directory: str
 ) -> None:
@@ -501,17 +516,7 @@ def _check_deepspeed_zero_over_data_parallel_group(
         loss = engine(input_ids, cu_seqlens=cu_seqlens, labels=labels).loss
         engine.backward(loss)
         engine.step()
-
-        reference_losses = [reference(ids, cu_seqlens=cu, labels=lab).loss for ids, cu, lab in batches]
-        torch.stack(reference_losses).mean().backward()
-        reference_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in reference.parameters()]))
-        reference_optimizer.step()
-        reference_optimizer.zero_grad()
-
-        expected_loss = reference_losses[groups.dp_rank]
-        assert relative_error(loss.detach(), expected_loss.detach()) <= 1e-5, (step, loss.item(), expected_loss.item())
-        grad_norm = torch.tensor(float(engine.get_global_grad_norm()))
-        assert relative_error(grad_norm, reference_norm) <= 1e-4, (step, grad_norm.item(), reference_norm.item())
+        _assert_engine_follows_reference_step(engine, loss, reference, reference_optimizer, batches, groups.dp_rank, step)
 
     engine.save_checkpoint(directory, tag="resume")
     resumed = make_engine(shard_model(_random_model(config, seed=99), groups, sequence_parallel=sequence_parallel))

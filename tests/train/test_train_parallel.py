@@ -35,40 +35,39 @@ def single_rank_run(workdir):
     return run_dir
 
 
-@pytest.fixture(scope="module")
-def tp2_resumed_run(workdir):
-    """tp=2 stopped after step 3 (checkpoint at exit), then resumed to the end in new processes."""
-    run_dir = workdir / "tp2_resumed"
+def _stopped_and_resumed(workdir, run_dir, parallel: str, stop_at_step: int):
+    """2 ranks with `parallel`, stopped after `stop_at_step` (checkpoint at exit), then resumed to the
+    end in new processes. Returns the names of the files in the first half's last checkpoint."""
     first_half = run_command(
-        torchrun_command(2) + [PRETRAIN] + _common(workdir, run_dir, "parallel.tp=2", "train.stop_at_step=3"), workdir
+        torchrun_command(2) + [PRETRAIN] + _common(workdir, run_dir, parallel, f"train.stop_at_step={stop_at_step}"),
+        workdir,
     )
     assert first_half.returncode == 0
-    assert [r["step"] for r in step_records(run_dir)] == [1, 2, 3]
-    checkpoint = run_dir / "checkpoints" / "step_00000003"
-    # DeepSpeed keeps one model file per tensor-parallel rank when given the groups as its mpu
-    assert {"mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"} <= {p.name for p in checkpoint.iterdir()}
+    assert [r["step"] for r in step_records(run_dir)] == list(range(1, stop_at_step + 1))
     assert not (run_dir / "hf_final").exists()
+    checkpoint = run_dir / "checkpoints" / f"step_{stop_at_step:08d}"
+    files = {p.name for p in checkpoint.iterdir()}
     second_half = run_command(
-        torchrun_command(2) + [PRETRAIN] + _common(workdir, run_dir, "parallel.tp=2", f"train.resume={run_dir}"), workdir
+        torchrun_command(2) + [PRETRAIN] + _common(workdir, run_dir, parallel, f"train.resume={run_dir}"), workdir
     )
     assert second_half.returncode == 0
+    return files
+
+
+@pytest.fixture(scope="module")
+def tp2_resumed_run(workdir):
+    run_dir = workdir / "tp2_resumed"
+    checkpoint_files = _stopped_and_resumed(workdir, run_dir, "parallel.tp=2", stop_at_step=3)
+    # DeepSpeed keeps one model file per tensor-parallel rank when given the groups as its mpu
+    assert {"mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"} <= checkpoint_files
     return run_dir
 
 
 @pytest.fixture(scope="module")
 def cp2_resumed_run(workdir):
-    """cp=2: each rank holds half of every packed sequence (documents cross the cut); stopped after
-    step 10, resumed to the end in new processes."""
+    """cp=2: each rank holds half of every packed sequence (documents cross the cut)."""
     run_dir = workdir / "cp2_resumed"
-    first_half = run_command(
-        torchrun_command(2) + [PRETRAIN] + _common(workdir, run_dir, "parallel.cp=2", "train.stop_at_step=10"), workdir
-    )
-    assert first_half.returncode == 0
-    assert [r["step"] for r in step_records(run_dir)] == list(range(1, 11))
-    second_half = run_command(
-        torchrun_command(2) + [PRETRAIN] + _common(workdir, run_dir, "parallel.cp=2", "train.resume=auto"), workdir
-    )
-    assert second_half.returncode == 0
+    _stopped_and_resumed(workdir, run_dir, "parallel.cp=2", stop_at_step=10)
     return run_dir
 
 
