@@ -161,14 +161,18 @@ def validate_config(cfg: DictConfig) -> None:
             _choice(f"benchmark.compare_backends[{i}]", backend, GDN_BACKENDS)
 
 
+def gdn_backends(cfg: DictConfig) -> list[tuple[str, str]]:
+    """(key, backend) of every GDN backend the run will use."""
+    named = [("model.gdn_backend", cfg.model.gdn_backend)]
+    return named + [(f"benchmark.compare_backends[{i}]", b) for i, b in enumerate(cfg.benchmark.compare_backends)]
+
+
 def check_environment(cfg: DictConfig) -> None:
     """What this machine must offer for the config: the GDN backends it names."""
     from flashqla.backends import backend_unavailable_reason
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    named = [("model.gdn_backend", cfg.model.gdn_backend)]
-    named += [(f"benchmark.compare_backends[{i}]", b) for i, b in enumerate(cfg.benchmark.compare_backends)]
-    for key, backend in named:
+    for key, backend in gdn_backends(cfg):
         reason = backend_unavailable_reason(backend, device)
         if reason is not None:
             raise ConfigError(f"{key}={backend!r}: {reason} (model.gdn_backend=auto picks what runs here)")

@@ -65,7 +65,14 @@ from train.checkpoint import (
     new_run_id,
     save_checkpoint,
 )
-from train.config import ConfigError, check_environment, check_parallel_layout, deepspeed_config, validate_config
+from train.config import (
+    ConfigError,
+    check_environment,
+    check_parallel_layout,
+    deepspeed_config,
+    gdn_backends,
+    validate_config,
+)
 from train.data import ByteTokenizer, MicroBatchSampler, PackedDataset
 from train.embedded_corpus import embedded_documents
 from train.metrics import (
@@ -78,7 +85,7 @@ from train.metrics import (
     peak_tflops,
     training_flops,
 )
-from train.prepare_data import build_embedded_dataset
+from train.prepare_data import build_embedded_dataset, tokenize_documents
 from train.schedule import warmup_cosine_scheduler
 
 log = logging.getLogger("train")
@@ -188,17 +195,23 @@ def _dataset_size(cfg: DictConfig) -> tuple[int, int]:
         except (ValueError, OSError) as error:
             raise ConfigError(f"data.path={cfg.data.path!r}: {error}") from error
         return dataset.num_tokens, dataset.vocab_size
-    # what build_embedded_dataset will write (bytes plus one end-of-document id)
+    # what build_embedded_dataset will write, counted without writing it
     tokenizer = ByteTokenizer()
-    tokens = sum(len(tokenizer.encode(text)) + 1 for text in embedded_documents(cfg.data.embedded_documents))
-    return tokens, tokenizer.vocab_size
+    documents = tokenize_documents(embedded_documents(cfg.data.embedded_documents), tokenizer)
+    return sum(len(ids) for ids in documents), tokenizer.vocab_size
+
+
+def config_overrides(cfg: DictConfig) -> dict:
+    """What model.* sets over the named size or the checkpoint's config.json."""
+    overrides = {"gdn_backend": cfg.model.gdn_backend}
+    if cfg.model.vocab_size is not None:
+        overrides["vocab_size"] = cfg.model.vocab_size
+    return overrides
 
 
 def model_config(cfg: DictConfig) -> QwenHybridConfig:
     """The whole model's config: the named size or model.init_from's config.json, with overrides."""
-    overrides = {"gdn_backend": cfg.model.gdn_backend}
-    if cfg.model.vocab_size is not None:
-        overrides["vocab_size"] = cfg.model.vocab_size
+    overrides = config_overrides(cfg)
     if cfg.model.init_from is not None:
         return QwenHybridConfig.from_hf(read_config(cfg.model.init_from), **overrides)
     return QwenHybridConfig.named(cfg.model.name, **overrides)
@@ -224,9 +237,7 @@ def check_model_fits(cfg: DictConfig, config: QwenHybridConfig, data_vocab: int)
             "(set model.vocab_size or use data tokenized for this model)"
         )
     head_dims = (config.linear_key_head_dim, config.linear_value_head_dim)
-    backends = [("model.gdn_backend", cfg.model.gdn_backend)]
-    backends += [(f"benchmark.compare_backends[{i}]", b) for i, b in enumerate(cfg.benchmark.compare_backends)]
-    for key, backend in backends:
+    for key, backend in gdn_backends(cfg):
         if backend == "tilelang" and head_dims != (128, 128):
             raise ConfigError(f"{key}='tilelang': the kernels take GDN head dims K = V = 128, model {name} has "
                               f"K = {head_dims[0]}, V = {head_dims[1]} (use 'auto' or 'torch')")
@@ -277,13 +288,11 @@ def build_model(
     config = model_config(cfg)
     check_model_fits(cfg, config, data_vocab)  # preflight asked already; callers without it get the same errors
     init_from, sequence_parallel = cfg.model.init_from, cfg.parallel.sequence_parallel
-    overrides = {"gdn_backend": cfg.model.gdn_backend}
-    if cfg.model.vocab_size is not None:
-        overrides["vocab_size"] = cfg.model.vocab_size
     if init_from is not None:
         # each rank reads only its own slices of the checkpoint
         model = load_sharded_hf_checkpoint(
-            init_from, parallel_groups, dtype=dtype, device=device, sequence_parallel=sequence_parallel, **overrides
+            init_from, parallel_groups, dtype=dtype, device=device, sequence_parallel=sequence_parallel,
+            **config_overrides(cfg),
         )
     else:
         # built on the device in the training dtype: a float32 copy first would not fit for the large sizes
