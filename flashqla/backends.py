@@ -68,7 +68,7 @@ def _needs_cuda(device: torch.device) -> str | None:
     return None if device.type == "cuda" else f"needs a CUDA GPU, got device {device}"
 
 
-def _hopper_unavailable(device: torch.device) -> str | None:
+def hopper_unavailable(device: torch.device) -> str | None:
     if device.type != "cuda":
         return _needs_cuda(device)
     capability = torch.cuda.get_device_capability(device)
@@ -105,7 +105,7 @@ def _run_torch(q, k, v, g, beta, scale, initial_state, output_final_state, use_q
 REGISTRY: dict[str, Backend] = {
     backend.name: backend
     for backend in (
-        Backend("tilelang", 0, _hopper_unavailable, unsupported_inputs, chunk_gated_delta_rule_hopper),
+        Backend("tilelang", 0, hopper_unavailable, unsupported_inputs, chunk_gated_delta_rule_hopper),
         Backend("torch", 1, _runs_anywhere, _takes_anything, _run_torch),
         Backend("fla", None, _fla_unavailable, _takes_anything, chunk_gated_delta_rule_fla),
     )

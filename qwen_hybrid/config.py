@@ -6,6 +6,7 @@ from typing import Any
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 GDN_BACKENDS = ("auto", "tilelang", "torch", "fla")
+CONV_BACKENDS = ("auto", "tilelang", "torch")  # flashqla.conv
 QWEN3_5_VOCAB_SIZE = 248320
 
 
@@ -42,8 +43,9 @@ class QwenHybridConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
-    # ours, not HF's: which implementation of the gated delta rule the GDN layers call
+    # ours, not HF's: which implementations the GDN layers call for the gated delta rule and the conv
     gdn_backend: str = "auto"
+    conv_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.layer_types is None:
@@ -96,6 +98,8 @@ class QwenHybridConfig:
             raise ValueError(f"rms_norm_eps must be positive, got {self.rms_norm_eps}")
         if self.gdn_backend not in GDN_BACKENDS:
             raise ValueError(f"gdn_backend must be one of {GDN_BACKENDS}, got {self.gdn_backend!r}")
+        if self.conv_backend not in CONV_BACKENDS:
+            raise ValueError(f"conv_backend must be one of {CONV_BACKENDS}, got {self.conv_backend!r}")
 
     @property
     def rotary_dim(self) -> int:
@@ -139,7 +143,7 @@ class QwenHybridConfig:
             raise ValueError(f"rope_parameters.rope_type must be 'default', got {rope_type!r} (rope scaling unsupported)")
         values: dict[str, Any] = {}
         for field in dataclasses.fields(cls):
-            if field.name in text and field.name not in ("rope_theta", "partial_rotary_factor", "gdn_backend"):
+            if field.name in text and field.name not in ("rope_theta", "partial_rotary_factor", "gdn_backend", "conv_backend"):
                 values[field.name] = text[field.name]
         values["rope_theta"] = float(rope.get("rope_theta", text.get("rope_theta", 10_000_000.0)))
         values["partial_rotary_factor"] = float(

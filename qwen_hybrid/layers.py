@@ -20,6 +20,7 @@ Norms, the conv, RoPE and the decay gates compute in float32, or in float64 for 
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 
@@ -29,6 +30,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import flashqla
+from flashqla.conv import causal_conv1d_silu, causal_conv1d_silu_torch, kernel_unavailable_reason
 from qwen_hybrid.config import QwenHybridConfig
 
 
@@ -114,25 +116,7 @@ class GatedRMSNorm(nn.Module):
         return recompute_in_backward(_fused_gated_rms_norm, x, gate, self.weight, self.eps)
 
 
-def causal_conv1d_silu(x: torch.Tensor, weight: torch.Tensor, position_in_doc: torch.Tensor | None) -> torch.Tensor:
-    """SiLU(depthwise causal conv over time) of x [B, T, C] with weight [C, 1, K], in float32.
-
-    Written as a sum of K shifted copies so that a tap reaching back past the start of its
-    document (position_in_doc [T] < shift) is masked out; torch.compile fuses it into one pass.
-    """
-    kernel_size = weight.shape[-1]
-    dtype = compute_dtype(x.dtype)
-    x_float, taps = x.to(dtype), weight[:, 0, :].to(dtype)
-    out = x_float * taps[:, kernel_size - 1]
-    for shift in range(1, kernel_size):
-        shifted = F.pad(x_float, (0, 0, shift, 0))[:, : x.shape[1]]
-        if position_in_doc is not None:
-            shifted = shifted * (position_in_doc >= shift).unsqueeze(-1)
-        out = out + shifted * taps[:, kernel_size - 1 - shift]
-    return F.silu(out).to(x.dtype)
-
-
-_fused_conv1d_silu = fused(causal_conv1d_silu)
+_fused_conv1d_silu = fused(causal_conv1d_silu_torch)
 
 
 def positions_in_documents(length: int, cu_seqlens: torch.Tensor | None, device) -> torch.Tensor:
@@ -144,28 +128,55 @@ def positions_in_documents(length: int, cu_seqlens: torch.Tensor | None, device)
     return positions - starts[torch.searchsorted(starts[1:], positions, right=True)]
 
 
-class CausalConv1d(nn.Module):
-    """Depthwise causal conv over time followed by SiLU, restarting at each document of `cu_seqlens`.
+@dataclasses.dataclass(frozen=True)
+class DocumentLayout:
+    """Where the packed documents of one forward lie, built once at the model boundary and handed
+    to every layer, so that no layer reads offsets back from the device or rebuilds positions.
+    Under context parallelism it describes the whole sequence, not this rank's slice."""
 
-    Weight `[channels, 1, kernel]` as in HF's `nn.Conv1d(groups=channels)`.
+    cu_seqlens: torch.Tensor  # [N+1] int32 on the model's device
+    cu_seqlens_cpu: torch.Tensor  # its host copy: the kernels plan their grids from it
+    max_seqlen: int
+    position_in_doc: torch.Tensor  # [T] int32 on the device: each token's position in its document
+
+    @classmethod
+    def build(cls, cu_seqlens: torch.Tensor, device, cu_seqlens_cpu: torch.Tensor | None = None) -> "DocumentLayout":
+        """cu_seqlens on the CPU or `device`; its host copy, when given, spares the one device->host read."""
+        if cu_seqlens_cpu is None:
+            cu_seqlens_cpu = cu_seqlens.cpu()
+        lengths = (cu_seqlens_cpu[1:] - cu_seqlens_cpu[:-1]).tolist()
+        on_device = cu_seqlens.to(device=device, dtype=torch.int32, non_blocking=True)
+        positions = positions_in_documents(int(cu_seqlens_cpu[-1]), on_device, device).to(torch.int32)
+        return cls(on_device, cu_seqlens_cpu, max(lengths, default=0), positions)
+
+
+class CausalConv1d(nn.Module):
+    """Depthwise causal conv over time followed by SiLU, restarting at each document.
+
+    Weight `[channels, 1, kernel]` as in HF's `nn.Conv1d(groups=channels)`. backend (the config's
+    conv_backend): "tilelang" runs flashqla's Hopper kernel, "torch" the compiled torch chain,
+    "auto" the kernel where it runs (flashqla.conv).
     """
 
-    def __init__(self, channels: int, kernel_size: int):
+    def __init__(self, channels: int, kernel_size: int, backend: str = "auto"):
         super().__init__()
         self.kernel_size = kernel_size
+        self.backend = backend
         self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size))
         nn.init.kaiming_uniform_(self.weight, a=5**0.5)
 
-    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+    def forward(self, x: torch.Tensor, position_in_doc: torch.Tensor | None = None,
                 channels: list[tuple[int, int]] | None = None) -> torch.Tensor:
-        """x: [B, T, C] -> [B, T, C]. `channels`: the weight rows [start, end) that x's channels
-        are, in order (a head group's under context parallelism); default all of them."""
-        position_in_doc = None if cu_seqlens is None else positions_in_documents(x.shape[1], cu_seqlens, x.device)
+        """x: [B, T, C] -> [B, T, C]. position_in_doc [T]: each token's position in its document
+        (None: each row is one). `channels`: the weight rows [start, end) that x's channels are, in
+        order (a head group's under context parallelism); default all of them."""
         weight = self.weight
         if channels is not None:
             weight = torch.cat([weight[start:end] for start, end in channels])
         if weight.shape[0] != x.shape[-1]:
             raise ValueError(f"x has {x.shape[-1]} channels but the conv weight rows give {weight.shape[0]}")
+        if self.backend == "tilelang" or (self.backend == "auto" and kernel_unavailable_reason(x) is None):
+            return causal_conv1d_silu(x, weight, position_in_doc, backend="tilelang")
         return recompute_in_backward(_fused_conv1d_silu, x, weight, position_in_doc)
 
 
@@ -176,7 +187,8 @@ class GatedDeltaRule(nn.Module):
         super().__init__()
         self.backend = backend
 
-    def forward(self, q, k, v, g, beta, cu_seqlens=None, cu_seqlens_cpu=None) -> torch.Tensor:
+    def forward(self, q, k, v, g, beta, documents: DocumentLayout | None = None) -> torch.Tensor:
+        cu_seqlens, cu_seqlens_cpu = (None, None) if documents is None else (documents.cu_seqlens, documents.cu_seqlens_cpu)
         o, _ = flashqla.chunk_gated_delta_rule(
             q, k, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
             backend=self.backend,
@@ -206,6 +218,7 @@ class GatedDeltaNet(nn.Module):
         conv_kernel_size: int,
         eps: float = 1e-6,
         backend: str = "auto",
+        conv_backend: str = "auto",
     ):
         super().__init__()
         if num_v_heads % num_k_heads != 0:
@@ -218,7 +231,7 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_z = nn.Linear(hidden_size, value_dim, bias=False)
         self.in_proj_b = nn.Linear(hidden_size, num_v_heads, bias=False)
         self.in_proj_a = nn.Linear(hidden_size, num_v_heads, bias=False)
-        self.conv1d = CausalConv1d(2 * key_dim + value_dim, conv_kernel_size)
+        self.conv1d = CausalConv1d(2 * key_dim + value_dim, conv_kernel_size, conv_backend)
         self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
         self.A_log = nn.Parameter(torch.empty(num_v_heads).uniform_(0.01, 16).log())
         self.norm = GatedRMSNorm(head_v_dim, eps=eps)
@@ -236,8 +249,7 @@ class GatedDeltaNet(nn.Module):
     def num_k_heads(self) -> int:
         return self.num_v_heads // self.value_heads_per_key_head
 
-    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
-                cu_seqlens_cpu: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, documents: DocumentLayout | None = None) -> torch.Tensor:
         batch, length, _ = x.shape
         dk, dv = self.head_k_dim, self.head_v_dim
         qkv, b, a = self.in_proj_qkv(x), self.in_proj_b(x), self.in_proj_a(x)
@@ -247,7 +259,7 @@ class GatedDeltaNet(nn.Module):
         if self.head_exchange is not None:
             qkv, b, a, conv_channels, A_log, dt_bias, num_k, num_v = self._exchange_to_heads(qkv, b, a, num_k, num_v)
         key_dim, value_dim = num_k * dk, num_v * dv
-        qkv = self.conv1d(qkv, cu_seqlens, conv_channels)
+        qkv = self.conv1d(qkv, None if documents is None else documents.position_in_doc, conv_channels)
         q, k, v = torch.split(qkv, [key_dim, key_dim, value_dim], dim=-1)
         mixed_length = qkv.shape[1]  # the whole sequence under context parallelism
         q = q.reshape(batch, mixed_length, num_k, dk)
@@ -257,7 +269,7 @@ class GatedDeltaNet(nn.Module):
         # float32 so that exp(A_log) cannot overflow in half precision
         dtype = compute_dtype(x.dtype)
         g = -A_log.to(dtype).exp() * F.softplus(a.to(dtype) + dt_bias.to(dtype))
-        o = self.gated_delta_rule(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu)
+        o = self.gated_delta_rule(q, k, v, g, beta, documents)
         if self.head_exchange is not None:
             o = self.head_exchange.to_tokens(o)
         z = self.in_proj_z(x).reshape(batch, length, -1, dv)
@@ -297,15 +309,13 @@ class AttentionCore(nn.Module):
     1.5x faster than varlen_attn.
     """
 
-    def forward(self, q, k, v, cu_seqlens=None, max_seqlen=None) -> torch.Tensor:
+    def forward(self, q, k, v, documents: DocumentLayout | None = None) -> torch.Tensor:
         scale = q.shape[-1] ** -0.5
-        if cu_seqlens is None or max_seqlen == q.shape[1]:
+        if documents is None or documents.max_seqlen == q.shape[1]:
             return _sdpa(q, k, v, scale)
         if q.is_cuda and _varlen_attn is not None and q.dtype in (torch.float16, torch.bfloat16):
-            if max_seqlen is None:
-                max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-            return _varlen_causal(q[0], k[0], v[0], cu_seqlens.to(torch.int32), max_seqlen, scale).unsqueeze(0)
-        bounds = cu_seqlens.tolist()
+            return _varlen_causal(q[0], k[0], v[0], documents.cu_seqlens, documents.max_seqlen, scale).unsqueeze(0)
+        bounds = documents.cu_seqlens_cpu.tolist()
         outs = [
             _sdpa(q[:, start:end], k[:, start:end], v[:, start:end], scale)
             for start, end in zip(bounds[:-1], bounds[1:])
@@ -394,15 +404,15 @@ class GatedAttention(nn.Module):
     def num_kv_heads(self) -> int:
         return self.k_proj.weight.shape[0] // self.head_dim
 
-    def forward(self, x, cos, sin, cu_seqlens=None, max_seqlen=None) -> torch.Tensor:
+    def forward(self, x, cos, sin, documents: DocumentLayout | None = None) -> torch.Tensor:
         """x [B, T, hidden]; cos, sin [B, T, rotary_dim] for x's tokens (a slice's under context
-        parallelism, while cu_seqlens and max_seqlen describe the whole sequence)."""
+        parallelism, while `documents` describes the whole sequence)."""
         if self.checkpoint_around_attention and torch.is_grad_enabled():
             q, k, v, gate = checkpoint(self._attention_inputs, x, cos, sin, use_reentrant=False)
-            out = self.attention(q, k, v, cu_seqlens, max_seqlen)
+            out = self.attention(q, k, v, documents)
             return checkpoint(self._attention_output, out, gate, use_reentrant=False)
         q, k, v, gate = self._attention_inputs(x, cos, sin)
-        return self._attention_output(self.attention(q, k, v, cu_seqlens, max_seqlen), gate)
+        return self._attention_output(self.attention(q, k, v, documents), gate)
 
     def _attention_inputs(self, x, cos, sin):
         """q, k, v as the attention kernel takes them (normed, rotated; a head group's whole sequence
@@ -471,7 +481,7 @@ class DecoderLayer(nn.Module):
             self.linear_attn = GatedDeltaNet(
                 config.hidden_size, config.linear_num_key_heads, config.linear_num_value_heads,
                 config.linear_key_head_dim, config.linear_value_head_dim, config.linear_conv_kernel_dim,
-                eps=config.rms_norm_eps, backend=config.gdn_backend,
+                eps=config.rms_norm_eps, backend=config.gdn_backend, conv_backend=config.conv_backend,
             )
         else:
             self.self_attn = GatedAttention(
@@ -482,12 +492,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, hidden, cos, sin, cu_seqlens=None, max_seqlen=None, cu_seqlens_cpu=None) -> torch.Tensor:
+    def forward(self, hidden, cos, sin, documents: DocumentLayout | None = None) -> torch.Tensor:
         mixer_input = self.input_layernorm(hidden)
         if self.layer_type == "linear_attention":
-            hidden = hidden + self.linear_attn(mixer_input, cu_seqlens, cu_seqlens_cpu)
+            hidden = hidden + self.linear_attn(mixer_input, documents)
         else:
-            hidden = hidden + self.self_attn(mixer_input, cos, sin, cu_seqlens, max_seqlen)
+            hidden = hidden + self.self_attn(mixer_input, cos, sin, documents)
         if self.checkpoints_itself and torch.is_grad_enabled():
             return hidden + checkpoint(self._mlp_block, hidden, use_reentrant=False)
         return hidden + self._mlp_block(hidden)

@@ -1,14 +1,17 @@
 """Next-token cross entropy over the vocabulary in token chunks.
 
-Only one chunk's float32 logits exist at a time, in the forward and in the backward (which
-recomputes them from the saved hidden states and per-token log-sum-exp), so peak memory is
+Only one chunk's logits (and then their gradients) exist at a time, so peak memory is
 O(chunk_size x vocab) instead of O(tokens x vocab): a 100k-token sequence with Qwen3.5's 248k
-vocabulary would otherwise need ~100 GB of float32 logits.
+vocabulary would otherwise need ~100 GB of float32 logits. With the whole vocabulary on one rank
+the gradients are made in the forward, each chunk's logits computed once (three matmuls a chunk,
+not four); each chunk's softmax statistics and logit gradients are one fused pass each on CUDA.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+from qwen_hybrid.layers import fused
 
 IGNORE_INDEX = -100
 DEFAULT_CHUNK_SIZE = 2048
@@ -48,7 +51,34 @@ def chunked_cross_entropy(
     return _ChunkedCrossEntropy.apply(hidden, weight, labels, chunk_size, ignore_index, vocab_start, group)
 
 
+def _chunk_statistics(logits, columns, label_here):
+    """Per row of one chunk: log-sum-exp over these vocabulary rows, and the target logit (0 where
+    the label lies in another rank's rows). float32 inside (float64 for float64 logits)."""
+    logits = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
+    target = logits.gather(1, columns[:, None])[:, 0] * label_here
+    return torch.logsumexp(logits, dim=-1), target
+
+
+def _chunk_logit_grads(logits, columns, label_here, logsumexp, row_scale):
+    """d loss / d logits of one chunk, (softmax over the whole vocabulary - onehot(label)) * row_scale,
+    in the logits' dtype and computed in float32 (p - 1 of a confident target keeps its digits)."""
+    compute = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    probabilities = torch.exp(logits.to(compute) - logsumexp[:, None])
+    target = (torch.arange(logits.shape[1], device=logits.device) == columns[:, None]) & label_here[:, None]
+    return ((probabilities - target.to(compute)) * row_scale[:, None]).to(logits.dtype)
+
+
+# one fused pass per chunk each on CUDA (reading the bf16 logits, never a float32 copy of them)
+_fused_chunk_statistics = fused(_chunk_statistics)
+_fused_chunk_logit_grads = fused(_chunk_logit_grads)
+
+
 class _ChunkedCrossEntropy(torch.autograd.Function):
+    """One rank holding the whole vocabulary: the gradients are made in the forward, chunk by chunk,
+    right after each chunk's log-sum-exp (so no logits are recomputed), and scaled by the loss's
+    gradient in the backward. Vocabulary-parallel: the log-sum-exp is global, known only after every
+    chunk, so the backward recomputes each chunk's logits."""
+
     @staticmethod
     def forward(ctx, hidden, weight, labels, chunk_size, ignore_index, vocab_start, group):
         accumulate = torch.float64 if hidden.dtype == torch.float64 else torch.float32
@@ -57,16 +87,27 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         local_labels = labels - vocab_start
         label_here = valid & (local_labels >= 0) & (local_labels < weight.shape[0])
         local_labels = torch.where(label_here, local_labels, 0)
+        row_scale = valid.to(accumulate) / num_valid.clamp(min=1)
+        split_vocabulary = group is not None and dist.get_world_size(group) > 1
+        gradients_here = not split_vocabulary and any(ctx.needs_input_grad[:2])
+        grad_hidden = torch.empty_like(hidden) if gradients_here and ctx.needs_input_grad[0] else None
+        grad_weight = (torch.zeros(weight.shape, dtype=accumulate, device=weight.device)
+                       if gradients_here and ctx.needs_input_grad[1] else None)
         # per token: log-sum-exp over these rows, and the target logit (0 where the label is elsewhere)
         stats = torch.empty(2, hidden.shape[0], dtype=accumulate, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk_size):
             end = min(start + chunk_size, hidden.shape[0])
-            logits = (hidden[start:end] @ weight.t()).to(accumulate)
-            stats[0, start:end] = torch.logsumexp(logits, dim=-1)
-            stats[1, start:end] = logits.gather(1, local_labels[start:end, None])[:, 0] * label_here[start:end]
-            del logits
+            h = hidden[start:end]
+            logits = h @ weight.t()
+            stats[0, start:end], stats[1, start:end] = _fused_chunk_statistics(
+                logits, local_labels[start:end], label_here[start:end])
+            if gradients_here:
+                grad_logits = _fused_chunk_logit_grads(logits, local_labels[start:end], label_here[start:end],
+                                                       stats[0, start:end], row_scale[start:end])
+                del logits  # before the two matmuls: one chunk's logits or gradients alive at a time
+                _accumulate_chunk_grads(grad_logits, h, weight, grad_hidden, grad_weight, start, end)
         local_logsumexp, local_target_logit = stats[0], stats[1]
-        if group is not None and dist.get_world_size(group) > 1:
+        if split_vocabulary:
             gathered = [torch.empty_like(stats) for _ in range(dist.get_world_size(group))]
             dist.all_gather(gathered, stats, group=group)
             all_stats = torch.stack(gathered)
@@ -74,46 +115,47 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         else:
             logsumexp, target_logit = local_logsumexp, local_target_logit
         loss_sum = ((logsumexp - target_logit) * valid).sum()
-        ctx.save_for_backward(hidden, weight, local_labels, label_here, valid, logsumexp, local_logsumexp,
-                              local_target_logit, num_valid)
-        ctx.chunk_size = chunk_size
+        ctx.gradients_made = gradients_here
+        if gradients_here:
+            ctx.save_for_backward(grad_hidden, grad_weight)
+            ctx.weight_dtype = weight.dtype
+        else:
+            ctx.save_for_backward(hidden, weight, local_labels, label_here, logsumexp, row_scale)
+            ctx.chunk_size = chunk_size
         return loss_sum / num_valid.clamp(min=1)
 
     @staticmethod
     def backward(ctx, grad_loss):
-        (hidden, weight, local_labels, label_here, valid, logsumexp, local_logsumexp, local_target_logit,
-         num_valid) = ctx.saved_tensors
-        # d loss / d logits = (softmax over the whole vocabulary - onehot) * valid * grad / num_valid.
-        # The softmax of this chunk's rows is taken in the logits' dtype (computed in float32 inside,
-        # one read and one write of the chunk) and rescaled from these vocabulary rows to all of
-        # them by exp(local lse - lse); the target column, where softmax - 1 can cancel, comes in
-        # float32 from the saved target logit.
-        accumulate = logsumexp.dtype
-        row_scale = valid.to(accumulate) * (grad_loss.to(accumulate) / num_valid.clamp(min=1))
-        softmax_scale = row_scale * torch.exp(local_logsumexp - logsumexp)
-        target_grad = (torch.exp(local_target_logit - logsumexp) - 1) * row_scale * label_here
+        if ctx.gradients_made:
+            grad_hidden, grad_weight = ctx.saved_tensors
+            if grad_hidden is not None:
+                grad_hidden = grad_hidden * grad_loss.to(grad_hidden.dtype)
+            if grad_weight is not None:
+                grad_weight = (grad_weight * grad_loss.to(grad_weight.dtype)).to(ctx.weight_dtype)
+            return grad_hidden, grad_weight, None, None, None, None, None
+        hidden, weight, local_labels, label_here, logsumexp, row_scale = ctx.saved_tensors
+        row_scale = row_scale * grad_loss.to(row_scale.dtype)
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        # accumulate the weight gradient in float32 across chunks, round once at the end
-        grad_weight = torch.zeros(weight.shape, dtype=accumulate, device=weight.device) \
+        grad_weight = torch.zeros(weight.shape, dtype=logsumexp.dtype, device=weight.device) \
             if ctx.needs_input_grad[1] else None
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             end = min(start + ctx.chunk_size, hidden.shape[0])
             h = hidden[start:end]
-            grad_logits = torch.softmax(h @ weight.t(), dim=-1)
-            grad_logits.mul_(softmax_scale[start:end, None])
-            rows = torch.arange(end - start, device=hidden.device)
-            here = label_here[start:end]
-            columns = local_labels[start:end]
-            grad_logits[rows, columns] = torch.where(here, target_grad[start:end].to(grad_logits.dtype),
-                                                     grad_logits[rows, columns])
-            if grad_hidden is not None:
-                grad_hidden[start:end] = grad_logits @ weight
-            if grad_weight is not None:
-                if grad_weight.dtype == grad_logits.dtype:
-                    grad_weight.addmm_(grad_logits.t(), h)
-                else:
-                    grad_weight.add_(grad_logits.t() @ h)
-            del grad_logits
+            grad_logits = _fused_chunk_logit_grads(h @ weight.t(), local_labels[start:end], label_here[start:end],
+                                                   logsumexp[start:end], row_scale[start:end])
+            _accumulate_chunk_grads(grad_logits, h, weight, grad_hidden, grad_weight, start, end)
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None, None
+
+
+def _accumulate_chunk_grads(grad_logits, h, weight, grad_hidden, grad_weight, start, end) -> None:
+    """grad_hidden[start:end] = grad_logits @ weight; grad_weight (float32, across chunks, rounded
+    once at the end) += grad_logits.T @ h."""
+    if grad_hidden is not None:
+        grad_hidden[start:end] = grad_logits @ weight
+    if grad_weight is not None:
+        if grad_weight.dtype == grad_logits.dtype:
+            grad_weight.addmm_(grad_logits.t(), h)
+        else:
+            grad_weight.add_(grad_logits.t() @ h)

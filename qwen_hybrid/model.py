@@ -12,7 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 from qwen_hybrid import checkpoint_io
 from qwen_hybrid.config import QwenHybridConfig
-from qwen_hybrid.layers import DecoderLayer, RMSNorm, positions_in_documents
+from qwen_hybrid.layers import DecoderLayer, DocumentLayout, RMSNorm
 from qwen_hybrid.loss import DEFAULT_CHUNK_SIZE, IGNORE_INDEX, chunked_cross_entropy
 
 
@@ -41,27 +41,24 @@ class QwenHybridModel(nn.Module):
 
     def forward(self, input_ids, cu_seqlens=None, position_ids=None, cu_seqlens_cpu=None) -> torch.Tensor:
         """input_ids [B, T] -> final hidden states [B, T, H]. cu_seqlens may be on the CPU (moved here);
-        cu_seqlens_cpu, its host copy, spares every layer a device->host read."""
+        cu_seqlens_cpu, its host copy, spares the device->host read (the layers read neither: they
+        get the DocumentLayout built here once)."""
         batch, length = input_ids.shape
         if position_ids is None and self.sequence_shards > 1:
             raise ValueError(_SLICE_NEEDS_POSITIONS.format(shards=self.sequence_shards))
-        max_seqlen = None
-        if cu_seqlens is not None:
-            cu_seqlens, cu_seqlens_cpu = _device_and_host_offsets(cu_seqlens, input_ids.device, cu_seqlens_cpu)
-            lengths = (cu_seqlens_cpu[1:] - cu_seqlens_cpu[:-1]).tolist()
-            max_seqlen = max(lengths) if lengths else 0
+        documents = None if cu_seqlens is None else DocumentLayout.build(cu_seqlens, input_ids.device, cu_seqlens_cpu)
         cos = sin = None
         if "full_attention" in self.config.layer_types:
             if position_ids is None:
-                position_ids = positions_in_documents(length, cu_seqlens, input_ids.device).expand(batch, length)
+                positions = torch.arange(length, device=input_ids.device) if documents is None else documents.position_in_doc
+                position_ids = positions.expand(batch, length)
             cos, sin = _rotary_tables(position_ids, self.config.rotary_dim, self.config.rope_theta)
         hidden = self.embed_tokens(input_ids)
         for layer in self.layers:
             if self.activation_checkpointing and torch.is_grad_enabled() and not layer.checkpoints_itself:
-                hidden = checkpoint(layer, hidden, cos, sin, cu_seqlens, max_seqlen, cu_seqlens_cpu,
-                                    use_reentrant=False)
+                hidden = checkpoint(layer, hidden, cos, sin, documents, use_reentrant=False)
             else:
-                hidden = layer(hidden, cos, sin, cu_seqlens, max_seqlen, cu_seqlens_cpu)
+                hidden = layer(hidden, cos, sin, documents)
         return self.norm(hidden)
 
 
@@ -209,12 +206,10 @@ def _rotary_tables(position_ids: torch.Tensor, rotary_dim: int, theta: float):
     return emb.cos(), emb.sin()
 
 
-def _device_and_host_offsets(cu_seqlens, device, cu_seqlens_cpu=None) -> tuple[torch.Tensor, torch.Tensor]:
+def _device_and_host_offsets(cu_seqlens, device) -> tuple[torch.Tensor, torch.Tensor]:
     """cu_seqlens on `device` and on the CPU. The host copy is the step's one device->host read
     (free when cu_seqlens arrives on the CPU): the kernels plan their grids from it."""
-    if cu_seqlens_cpu is None:
-        cu_seqlens_cpu = cu_seqlens.cpu()
-    return cu_seqlens.to(device, non_blocking=True), cu_seqlens_cpu
+    return cu_seqlens.to(device, non_blocking=True), cu_seqlens.cpu()
 
 
 def _check_inputs(input_ids, cu_seqlens, position_ids, labels, targets=None, sequence_shards=1) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from qwen_hybrid.config import GDN_BACKENDS, NAMED_SIZES
+from qwen_hybrid.config import CONV_BACKENDS, GDN_BACKENDS, NAMED_SIZES
 
 PRECISIONS = ("bf16", "fp32")
 LOGGER_MODES = ("online", "offline", "disabled")
@@ -52,6 +52,7 @@ def validate_config(cfg: DictConfig) -> None:
 
     _choice("model.name", model.name, NAMED_SIZES)
     _choice("model.gdn_backend", model.gdn_backend, GDN_BACKENDS)
+    _choice("model.conv_backend", model.conv_backend, CONV_BACKENDS)
     if model.vocab_size is not None:
         _integer("model.vocab_size", model.vocab_size, 1)
     if model.init_from is not None and not (Path(str(model.init_from)) / "config.json").is_file():
@@ -176,6 +177,10 @@ def check_environment(cfg: DictConfig) -> None:
         reason = backend_unavailable_reason(backend, device)
         if reason is not None:
             raise ConfigError(f"{key}={backend!r}: {reason} (model.gdn_backend=auto picks what runs here)")
+    if cfg.model.conv_backend == "tilelang":
+        reason = backend_unavailable_reason("tilelang", device)
+        if reason is not None:
+            raise ConfigError(f"model.conv_backend='tilelang': {reason} (model.conv_backend=auto picks what runs here)")
 
 
 def check_parallel_layout(cfg: DictConfig, world_size: int) -> None:

@@ -17,6 +17,8 @@ One file per kernel, in pipeline order:
 - backward_state_grads.py: the backward's sequential walk: the state gradients;
 - backward_chunk_grads.py: dq, dk, dv, dg, dbeta of every chunk in parallel.
 
+Beside the op: causal_conv.py, the GDN layer's short causal conv + SiLU (flashqla/conv.py's kernel).
+
 Shared: common.py (target, head dim, chunk size, constants), chunk_plan.py (host-side planning:
 chunk index, pieces of split sequences, V split, warm-up starts), compile_check.py (every kernel
 built for sm_90a, no GPU needed).

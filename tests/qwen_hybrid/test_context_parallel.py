@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from flashqla.testing import relative_error
 from qwen_hybrid import QwenHybridConfig, QwenHybridForCausalLM
+from qwen_hybrid.layers import DocumentLayout
 from qwen_hybrid.model import shift_labels
 from qwen_hybrid.parallel.collectives import all_reduce_staged
 from qwen_hybrid.parallel import (
@@ -83,10 +84,10 @@ def _restart_gdn_state_at_each_slice(model: QwenHybridForCausalLM, cp_size: int,
 
 
 def _offsets_within_slice(module, args, cp_size, cp_rank):
-    x, cu_seqlens, cu_seqlens_cpu = args
+    x, documents = args
     length = x.shape[1]
-    local = (cu_seqlens_cpu.long() - cp_rank * length).clamp(0, length).to(cu_seqlens_cpu.dtype)
-    return x, local.to(cu_seqlens.device), local
+    local = (documents.cu_seqlens_cpu.long() - cp_rank * length).clamp(0, length)
+    return x, DocumentLayout.build(local, x.device)
 
 
 def _check_matches_unsharded(

@@ -52,9 +52,9 @@ def test_causal_conv_restarts_at_document_boundaries():
     conv = CausalConv1d(channels=6, kernel_size=4)  # with SiLU
     lengths = [5, 1, 0, 9]
     x = torch.randn(1, sum(lengths), 6)
-    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    position_in_doc = torch.cat([torch.arange(n) for n in lengths])
     expected = torch.cat([conv(part) for part in x.split(lengths, dim=1) if part.shape[1] > 0], dim=1)
-    assert torch.allclose(conv(x, cu_seqlens), expected, atol=1e-6)
+    assert torch.allclose(conv(x, position_in_doc), expected, atol=1e-6)
     # a token's output only depends on the kernel_size - 1 tokens before it
     shifted = torch.cat([torch.zeros(1, 3, 6), x], dim=1)
     assert torch.allclose(conv(shifted)[:, 3:], conv(x), atol=1e-6)
@@ -414,3 +414,27 @@ def test_model_reads_cu_seqlens_once_and_hands_host_offsets_to_every_gdn_layer(m
     model(ids, cu_seqlens=torch.tensor([0, 15, 40], dtype=torch.int32), labels=ids).loss.backward()
     gdn_layers = config.layer_types.count("linear_attention")
     assert seen == [("cpu", [0, 15, 40])] * gdn_layers
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("needs", ["both", "hidden_only"])
+def test_chunked_cross_entropy_on_cuda_matches_float64(needs):
+    """The compiled chunk passes (CUDA, bf16) with the gradients made in the forward, scaled by the
+    loss's own gradient in the backward, against float64 autograd of the full cross entropy."""
+    generator = torch.Generator().manual_seed(7)
+    hidden = torch.randn(3000, 256, generator=generator).to("cuda", torch.bfloat16)
+    weight = (torch.randn(50000, 256, generator=generator) / 8).to("cuda", torch.bfloat16)
+    labels = torch.randint(0, 50000, (3000,), generator=generator).cuda()
+    labels[::5] = -100
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_(needs == "both")
+    loss = chunked_cross_entropy(h, w, labels, chunk_size=1024)
+    (loss * 3.0).backward()
+    h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    expected = F.cross_entropy(h64 @ w64.t(), labels, ignore_index=-100)
+    (expected * 3.0).backward()
+    assert relative_error(loss, expected) <= 1e-3
+    assert torch.isfinite(h.grad).all() and relative_error(h.grad, h64.grad) <= 1e-2
+    if needs == "both":
+        assert torch.isfinite(w.grad).all() and relative_error(w.grad, w64.grad) <= 1e-2
+    else:
+        assert w.grad is None

@@ -1,0 +1,115 @@
+"""The GDN layer's causal conv + SiLU (flashqla/conv.py): the Hopper kernel against float64 autograd of
+the torch definition, on packed ragged documents, and the op's argument checks."""
+import pytest
+import torch
+
+from flashqla.conv import causal_conv1d_silu, causal_conv1d_silu_torch
+from tests.flashqla.hopper_grid import poison_allocator
+
+# empty and one-token documents, documents shorter than the kernel, a block boundary (256 tokens)
+# inside a document, and one longer than a token block of the backward
+RAGGED = [1, 300, 0, 2, 3, 257, 1, 0, 1500, 64]
+
+
+def _positions(lengths, device):
+    return torch.cat([torch.arange(n, device=device) for n in lengths])
+
+
+def _inputs(lengths, channels, dtype, batch=1, seed=0, device="cuda"):
+    generator = torch.Generator().manual_seed(seed)
+    length = sum(lengths)
+    x = torch.randn(batch, length, channels, generator=generator, dtype=torch.float64)
+    # channel scales from 0.01 to 10 so that SiLU meets its flat, curved and linear parts
+    x = x * torch.logspace(-2, 1, channels, dtype=torch.float64)
+    weight = torch.randn(channels, 1, 4, generator=generator, dtype=torch.float64) * 0.5
+    dy = torch.randn(batch, length, channels, generator=generator, dtype=torch.float64)
+    return x.to(device, dtype), weight.to(device, torch.float32), dy.to(device, dtype)
+
+
+def _run(x, weight, position, dy, backend):
+    x = x.detach().clone().requires_grad_()
+    weight = weight.detach().clone().requires_grad_()
+    y = causal_conv1d_silu(x, weight, position, backend=backend)
+    y.backward(dy)
+    return {"y": y.detach(), "dx": x.grad, "dw": weight.grad}
+
+
+def _worst_per_document(ours, truth, lengths):
+    """max over documents of the relative error of one document's slice (tokens on dim 1)."""
+    worst = 0.0
+    for part, ref in zip(ours.split(lengths, dim=1), truth.split(lengths, dim=1)):
+        if part.numel():
+            worst = max(worst, ((part.double() - ref).norm() / ref.norm().clamp(min=1e-30)).item())
+    return worst
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, bound", [(torch.bfloat16, 8e-3), (torch.float16, 2e-3), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("lengths, batch, channels", [(RAGGED, 1, 6144), ([2047], 3, 200), ([5000], 1, 130)],
+                         ids=["ragged_6144", "batch3_200", "long_130"])
+def test_kernel_matches_float64_autograd(lengths, batch, channels, dtype, bound):
+    x, weight, dy = _inputs(lengths, channels, dtype, batch=batch)
+    position = _positions(lengths, x.device) if batch == 1 else None
+    poison_allocator()
+    ours = _run(x, weight, position, dy, "tilelang")
+    exact = _run(x.double(), weight.double(), position, dy.double(), "torch")
+    for name in ("y", "dx", "dw"):
+        assert ours[name].dtype == (dtype if name != "dw" else torch.float32), name
+        assert torch.isfinite(ours[name]).all(), f"{name}: not finite (an unwritten output?)"
+        error = ((ours[name].double() - exact[name]).norm() / exact[name].norm()).item()
+        assert error <= bound, f"{name}: relative error {error:.2e} over the tensor, expected <= {bound:.0e}"
+        if name != "dw":
+            worst = _worst_per_document(ours[name], exact[name], lengths)
+            assert worst <= 2 * bound, f"{name}: worst per-document relative error {worst:.2e}, expected <= {2 * bound:.0e}"
+
+
+@pytest.mark.gpu
+def test_kernel_is_deterministic():
+    x, weight, dy = _inputs(RAGGED, 6144, torch.bfloat16, seed=3)
+    position = _positions(RAGGED, x.device)
+    first, second = _run(x, weight, position, dy, "tilelang"), _run(x, weight, position, dy, "tilelang")
+    for name in first:
+        assert torch.equal(first[name], second[name]), name
+
+
+@pytest.mark.gpu
+def test_documents_do_not_see_each_other_in_the_kernel():
+    """Each document alone, through the kernel, equals its slice of the packed run (bitwise: the
+    kernel's sums do not depend on what lies outside the document)."""
+    lengths = [3, 700, 1, 260]
+    x, weight, dy = _inputs(lengths, 256, torch.bfloat16, seed=4)
+    packed = _run(x, weight, _positions(lengths, x.device), dy, "tilelang")
+    start = 0
+    for n in lengths:
+        alone = _run(x[:, start:start + n], weight, None, dy[:, start:start + n], "tilelang")
+        assert torch.equal(alone["y"], packed["y"][:, start:start + n])
+        assert torch.equal(alone["dx"], packed["dx"][:, start:start + n])
+        start += n
+
+
+def test_torch_path_restarts_at_documents_and_matches_float64_gradcheck():
+    lengths = [2, 1, 5]
+    x, weight, _ = _inputs(lengths, 3, torch.float64, device="cpu")
+    position = _positions(lengths, "cpu")
+    x.requires_grad_()
+    weight = weight.double().requires_grad_()
+    assert torch.autograd.gradcheck(lambda a, w: causal_conv1d_silu_torch(a, w, position), (x, weight))
+    whole = causal_conv1d_silu_torch(x, weight, position)
+    alone = [causal_conv1d_silu_torch(part, weight, None) for part in x.split(lengths, dim=1)]
+    torch.testing.assert_close(whole, torch.cat(alone, dim=1), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "x_shape, weight_shape, position_shape, backend, message",
+    [
+        ((4, 3), (3, 1, 4), None, "auto", r"x must be \[B, T, C\], got shape \(4, 3\)"),
+        ((1, 4, 3), (5, 1, 4), None, "auto", r"weight must be \[C=3, 1, K\] or \[C, K\], got shape \(5, 1, 4\)"),
+        ((1, 4, 3), (3, 1, 4), (5,), "auto", r"position_in_doc must be \[T=4\], got shape \(5,\)"),
+        ((1, 4, 3), (3, 1, 4), None, "cuda", r"backend must be one of \('auto', 'tilelang', 'torch'\), got 'cuda'"),
+        ((1, 4, 3), (3, 1, 4), None, "tilelang", r"backend='tilelang' needs a CUDA GPU, got device cpu"),
+    ],
+)
+def test_bad_arguments_are_named(x_shape, weight_shape, position_shape, backend, message):
+    position = None if position_shape is None else torch.zeros(position_shape, dtype=torch.long)
+    with pytest.raises(ValueError, match=message):
+        causal_conv1d_silu(torch.zeros(x_shape), torch.zeros(weight_shape), position, backend=backend)
