@@ -3,7 +3,7 @@ and side-by-side timings of kernel variants (--compare).
 
     python -m flashqla.bench [--fwd] [--bwd] [--json PATH] [--shapes SUBSTR,...] [--baselines fla,flashqla]
                              [--time-budget SECONDS] [--breakdown]
-    python -m flashqla.bench --compare [backward_pieces,keep_forward,grouped_products] [--json PATH]
+    python -m flashqla.bench --compare [backward_pieces,keep_forward,grouped_products,conv] [--json PATH]
 
 Each library is called the way its users call it: ours through `flashqla.chunk_gated_delta_rule`
 (backend="tilelang", input checks included), FLA through its `chunk_gated_delta_rule` beneath
@@ -273,8 +273,31 @@ def compare_grouped_products(rep_ms: int):
                {name: _median_ms(lambda: gated_products(*call, **kwargs), rep_ms) for name, kwargs in variants.items()})
 
 
+def compare_conv(rep_ms: int):
+    """The GDN layer's causal conv + SiLU, forward + backward, at the 0.8B model's layer width (6144
+    channels): torch.compile of the torch definition (what the model ran before the kernel) against
+    the TileLang kernel; one document, and eight packed."""
+    from flashqla.conv import causal_conv1d_silu, causal_conv1d_silu_torch
+
+    compiled = torch.compile(causal_conv1d_silu_torch, dynamic=True)
+    for tokens, docs in ((32768, 1), (32768, 8), (131072, 1)):
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        x = torch.randn(1, tokens, 6144, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_()
+        weight = torch.randn(6144, 1, 4, device="cuda", generator=gen).requires_grad_()
+        dy = torch.randn(x.shape, device="cuda", generator=gen).to(torch.bfloat16)
+        position = torch.arange(tokens, device="cuda") % (tokens // docs)
+
+        def step(run):
+            run().backward(dy)
+
+        variants = {"torch.compile": lambda: compiled(x, weight, position),
+                    "kernel": lambda: causal_conv1d_silu(x, weight, position, backend="tilelang")}
+        yield (f"1x{tokens} {docs} doc{'s' if docs > 1 else ''}",
+               {name: _median_ms(lambda: step(run), rep_ms, grad_to_none=[x, weight]) for name, run in variants.items()})
+
+
 COMPARISONS = {"backward_pieces": compare_backward_pieces, "keep_forward": compare_keep_forward,
-               "grouped_products": compare_grouped_products}
+               "grouped_products": compare_grouped_products, "conv": compare_conv}
 
 
 def run_comparisons(names: list[str], rep_ms: int, json_path: str | None) -> None:

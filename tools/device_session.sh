@@ -15,6 +15,11 @@
 #                       later bench spends no minutes per layout there. Autotune results are not kept
 #                       (FLA_CACHE_RESULTS=0): the timed run autotunes alone on the GPU.
 #   ncu                 Nsight Compute sections of one launch each of our four main kernels (NCU_SHAPE=16/64:8192)
+#   tests-model         the GPU tests of the conv kernel and of qwen_hybrid/ only
+#   compare-conv        python -m flashqla.bench --compare conv (the conv kernel against torch.compile)
+#   attention           python -m benchmarks.attention_backends (SDPA's kernels and varlen_attn; ATTENTION_ARGS)
+#   train-32k           launch/benchmark.sh 0.8B 32768 tilelang (train-32k-compare: tilelang,fla)
+#   train-256k          launch/benchmark.sh 0.8B 262144 tilelang
 #   train-8k            launch/benchmark.sh 0.8B 8192 tilelang,fla
 #   train-128k-tilelang launch/benchmark.sh 0.8B 131072 tilelang
 #   train-128k-fla      launch/benchmark.sh 0.8B 131072 fla
@@ -126,6 +131,20 @@ run_part() {
 heads, lens = sys.argv[1].split(":"); heads = tuple(map(int, heads.split("/"))); lens = list(map(int, lens.split("+")))
 print(first_call_s(implementations([])["ours"], make_inputs(heads, lens)))' "${NCU_SHAPE:-16/64:8192}"
         ;;
+    tests-model)
+        # the conv kernel, the loss's compiled passes and the model's GPU tests (a quicker subset of tests)
+        step pytest-model 400 60 "$PYTHON" -m pytest -m gpu -q -rfE -p no:cacheprovider --timeout=300 \
+            tests/flashqla/test_causal_conv.py tests/qwen_hybrid
+        ;;
+    compare-conv)
+        step compare-conv 200 40 "$PYTHON" -m flashqla.bench --compare conv --json "$OUT/compare-conv.json"
+        ;;
+    attention)
+        step attention 300 60 env OUT="$OUT" "$PYTHON" -m benchmarks.attention_backends ${ATTENTION_ARGS:-}
+        ;;
+    train-32k) train_run train-0.8B-32k-tilelang 0.8B 32768 tilelang ;;
+    train-32k-compare) train_run train-0.8B-32k-compare 0.8B 32768 tilelang,fla ;;
+    train-256k) train_run train-0.8B-256k-tilelang 0.8B 262144 tilelang ;;
     train-8k) train_run train-0.8B-8k-compare 0.8B 8192 tilelang,fla ;;
     train-128k-tilelang) train_run train-0.8B-128k-tilelang 0.8B 131072 tilelang ;;
     train-128k-fla) train_run train-0.8B-128k-fla 0.8B 131072 fla ;;
@@ -145,7 +164,8 @@ print(first_call_s(implementations([])["ours"], make_inputs(heads, lens)))' "${N
             launch/benchmark.sh 0.8B 8192 tilelang ${TP2_OVERRIDES:-}
         ;;
     *)
-        echo "unknown part '$1': tests, unverified, compare, bench, bench-warm, ncu, train-8k, train-128k-tilelang, train-128k-fla, train-2b, train," \
+        echo "unknown part '$1': tests, tests-model, unverified, compare, compare-conv, attention, bench, bench-warm, ncu," \
+            "train-8k, train-32k, train-32k-compare, train-128k-tilelang, train-128k-fla, train-256k, train-2b, train," \
             "tp2, tp2-8k" >&2
         SUMMARY+=("$(printf '%-22s %-9s' "$1" "UNKNOWN")")
         ;;

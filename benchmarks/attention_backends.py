@@ -1,0 +1,106 @@
+"""The model's attention (head dim 256, GQA, causal) through each attention kernel torch offers,
+forward and forward + backward, side by side in one process:
+
+    python -m benchmarks.attention_backends [--size 0.8B] [--tokens 8192,32768,131072] [--docs 1,8]
+
+Backends: SDPA's cuDNN, FlashAttention and memory-efficient kernels, and `varlen_attn` for packed
+documents. Prints per shape each backend's milliseconds and its ratio to cuDNN, and each
+output's largest difference from cuDNN's. Appends JSON lines to $OUT/attention.jsonl when OUT is set.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from qwen_hybrid import QwenHybridConfig
+from qwen_hybrid.layers import DocumentLayout, _varlen_attn, _varlen_causal
+
+SDPA_BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+                 "efficient": SDPBackend.EFFICIENT_ATTENTION}
+
+
+def _sdpa(backend):
+    def run(q, k, v, documents):
+        if documents is not None:
+            raise NotImplementedError("one document per call")
+        with sdpa_kernel([SDPA_BACKENDS[backend]]):
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                 is_causal=True, enable_gqa=True)
+        return out.transpose(1, 2)
+    return run
+
+
+def _varlen(q, k, v, documents):
+    cu = documents.cu_seqlens
+    return _varlen_causal(q[0], k[0], v[0], cu, documents.max_seqlen, q.shape[-1] ** -0.5).unsqueeze(0)
+
+
+def _time(fn, backward: bool) -> float:
+    import triton.testing
+
+    if backward:
+        def step():
+            out = fn()
+            out.backward(torch.ones_like(out))
+    else:
+        step = fn
+    return triton.testing.do_bench(step, warmup=3, rep=20)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", default="0.8B")
+    parser.add_argument("--tokens", default="8192,32768,131072")
+    parser.add_argument("--docs", default="1,8", help="equal documents per packed sequence")
+    args = parser.parse_args(argv)
+    config = QwenHybridConfig.named(args.size)
+    heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    out_path = os.path.join(os.environ["OUT"], "attention.jsonl") if os.environ.get("OUT") else None
+    for tokens in [int(t) for t in args.tokens.split(",")]:
+        for docs in [int(d) for d in args.docs.split(",")]:
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            q = torch.randn(1, tokens, heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+            k = torch.randn(1, tokens, kv_heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+            v = torch.randn(1, tokens, kv_heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+            documents = None
+            candidates = dict((name, _sdpa(name)) for name in SDPA_BACKENDS) if docs == 1 else {}
+            if docs > 1:
+                bounds = torch.linspace(0, tokens, docs + 1).long()
+                documents = DocumentLayout.build(bounds, "cuda")
+            if _varlen_attn is not None:
+                candidates["varlen"] = _varlen
+            results, reference = {}, None
+            for name, run in candidates.items():
+                leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+                try:
+                    out = run(*leaves, documents)
+                    fwd = _time(lambda: run(*leaves, documents), backward=False)
+                    both = _time(lambda: run(*leaves, documents), backward=True)
+                except Exception as error:  # a backend that refuses this shape is reported, not fatal
+                    results[name] = {"error": f"{type(error).__name__}: {str(error)[:160]}"}
+                    continue
+                if reference is None:
+                    reference = out.detach()
+                results[name] = {"fwd_ms": fwd, "bwd_ms": both - fwd,
+                                 "max_diff": (out.detach().float() - reference.float()).abs().max().item()}
+                del out, leaves
+                torch.cuda.empty_cache()
+            base = next((r for r in results.values() if "fwd_ms" in r), None)
+            for name, result in results.items():
+                if "fwd_ms" in result and base is not None:
+                    result["fwd_vs_first"] = base["fwd_ms"] / result["fwd_ms"]
+                    result["bwd_vs_first"] = base["bwd_ms"] / result["bwd_ms"]
+                line = {"size": args.size, "tokens": tokens, "docs": docs, "backend": name, **result}
+                print(json.dumps(line), flush=True)
+                if out_path:
+                    with open(out_path, "a") as f:
+                        f.write(json.dumps(line) + "\n")
+
+
+if __name__ == "__main__":
+    main()
