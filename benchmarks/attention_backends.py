@@ -3,8 +3,8 @@ forward and forward + backward, side by side in one process:
 
     python -m benchmarks.attention_backends [--size 0.8B] [--tokens 8192,32768,131072] [--docs 1,8]
 
-Backends: SDPA's cuDNN, FlashAttention and memory-efficient kernels, and `varlen_attn` for packed
-documents. Prints per shape each backend's milliseconds and its ratio to cuDNN, and each
+Backends: SDPA's cuDNN, FlashAttention and memory-efficient kernels for one document; for packed
+documents cuDNN's SDPA once per document against `varlen_attn` (FlashAttention over the pack). Prints per shape each backend's milliseconds and its ratio to cuDNN, and each
 output's largest difference from cuDNN's. Appends JSON lines to $OUT/attention.jsonl when OUT is set.
 """
 from __future__ import annotations
@@ -33,6 +33,13 @@ def _sdpa(backend):
                                                  is_causal=True, enable_gqa=True)
         return out.transpose(1, 2)
     return run
+
+
+def _cudnn_per_document(q, k, v, documents):
+    bounds = documents.cu_seqlens_cpu.tolist()
+    run = _sdpa("cudnn")
+    return torch.cat([run(q[:, a:b], k[:, a:b], v[:, a:b], None) for a, b in zip(bounds[:-1], bounds[1:]) if b > a],
+                     dim=1)
 
 
 def _varlen(q, k, v, documents):
@@ -68,12 +75,14 @@ def main(argv=None) -> None:
             k = torch.randn(1, tokens, kv_heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
             v = torch.randn(1, tokens, kv_heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
             documents = None
-            candidates = dict((name, _sdpa(name)) for name in SDPA_BACKENDS) if docs == 1 else {}
-            if docs > 1:
+            if docs == 1:
+                candidates = {name: _sdpa(name) for name in SDPA_BACKENDS}
+            else:
                 bounds = torch.linspace(0, tokens, docs + 1).long()
                 documents = DocumentLayout.build(bounds, "cuda")
-            if _varlen_attn is not None:
-                candidates["varlen"] = _varlen
+                candidates = {"cudnn_per_document": _cudnn_per_document}
+                if _varlen_attn is not None:
+                    candidates["varlen"] = _varlen
             results, reference = {}, None
             for name, run in candidates.items():
                 leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]

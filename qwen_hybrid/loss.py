@@ -59,13 +59,16 @@ def _chunk_statistics(logits, columns, label_here):
     return torch.logsumexp(logits, dim=-1), target
 
 
-def _chunk_logit_grads(logits, columns, label_here, logsumexp, row_scale):
+def _chunk_logit_grads(logits, columns, label_here, logsumexp, target_logit, row_scale):
     """d loss / d logits of one chunk, (softmax over the whole vocabulary - onehot(label)) * row_scale,
-    in the logits' dtype and computed in float32 (p - 1 of a confident target keeps its digits)."""
+    in the logits' dtype and computed in float32. The target column is written apart from its
+    float32 logit, where p - 1 of a confident target would lose its digits in a rounded p."""
     compute = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    probabilities = torch.exp(logits.to(compute) - logsumexp[:, None])
-    target = (torch.arange(logits.shape[1], device=logits.device) == columns[:, None]) & label_here[:, None]
-    return ((probabilities - target.to(compute)) * row_scale[:, None]).to(logits.dtype)
+    grads = (torch.exp(logits.to(compute) - logsumexp[:, None]) * row_scale[:, None]).to(logits.dtype)
+    rows = torch.arange(logits.shape[0], device=logits.device)
+    target_grad = (torch.exp(target_logit - logsumexp) - 1) * row_scale
+    grads[rows, columns] = torch.where(label_here, target_grad.to(logits.dtype), grads[rows, columns])
+    return grads
 
 
 # one fused pass per chunk each on CUDA (reading the bf16 logits, never a float32 copy of them)
@@ -103,7 +106,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
                 logits, local_labels[start:end], label_here[start:end])
             if gradients_here:
                 grad_logits = _fused_chunk_logit_grads(logits, local_labels[start:end], label_here[start:end],
-                                                       stats[0, start:end], row_scale[start:end])
+                                                       stats[0, start:end], stats[1, start:end], row_scale[start:end])
                 del logits  # before the two matmuls: one chunk's logits or gradients alive at a time
                 _accumulate_chunk_grads(grad_logits, h, weight, grad_hidden, grad_weight, start, end)
         local_logsumexp, local_target_logit = stats[0], stats[1]
@@ -120,7 +123,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             ctx.save_for_backward(grad_hidden, grad_weight)
             ctx.weight_dtype = weight.dtype
         else:
-            ctx.save_for_backward(hidden, weight, local_labels, label_here, logsumexp, row_scale)
+            ctx.save_for_backward(hidden, weight, local_labels, label_here, logsumexp, local_target_logit, row_scale)
             ctx.chunk_size = chunk_size
         return loss_sum / num_valid.clamp(min=1)
 
@@ -133,7 +136,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             if grad_weight is not None:
                 grad_weight = (grad_weight * grad_loss.to(grad_weight.dtype)).to(ctx.weight_dtype)
             return grad_hidden, grad_weight, None, None, None, None, None
-        hidden, weight, local_labels, label_here, logsumexp, row_scale = ctx.saved_tensors
+        hidden, weight, local_labels, label_here, logsumexp, local_target_logit, row_scale = ctx.saved_tensors
         row_scale = row_scale * grad_loss.to(row_scale.dtype)
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros(weight.shape, dtype=logsumexp.dtype, device=weight.device) \
@@ -142,7 +145,8 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             end = min(start + ctx.chunk_size, hidden.shape[0])
             h = hidden[start:end]
             grad_logits = _fused_chunk_logit_grads(h @ weight.t(), local_labels[start:end], label_here[start:end],
-                                                   logsumexp[start:end], row_scale[start:end])
+                                                   logsumexp[start:end], local_target_logit[start:end],
+                                                   row_scale[start:end])
             _accumulate_chunk_grads(grad_logits, h, weight, grad_hidden, grad_weight, start, end)
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
