@@ -494,6 +494,8 @@ class DecoderLayer(nn.Module):
         self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        # recomputed in the backward (QwenHybridForCausalLM.set_activation_checkpointing)
+        self.checkpointed = False
 
     def forward(self, hidden, cos, sin, documents: DocumentLayout | None = None) -> torch.Tensor:
         mixer_input = self.input_layernorm(hidden)

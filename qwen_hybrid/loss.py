@@ -8,6 +8,8 @@ not four); each chunk's softmax statistics and logit gradients are one fused pas
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -161,5 +163,23 @@ def _accumulate_chunk_grads(grad_logits, h, weight, grad_hidden, grad_weight, st
     if grad_weight is not None:
         if grad_weight.dtype == grad_logits.dtype:
             grad_weight.addmm_(grad_logits.t(), h)
+        elif _adds_products_into_float32(grad_weight.device):
+            torch.addmm(grad_weight, grad_logits.t(), h, out_dtype=grad_weight.dtype, out=grad_weight)
         else:
             grad_weight.add_(grad_logits.t() @ h)
+
+
+@functools.cache
+def _adds_products_into_float32(device: torch.device) -> bool:
+    """Whether torch.addmm adds a half-precision product into a float32 tensor in place here
+    (out_dtype on CUDA): one matmul pass instead of a rounded product and a float32 add over the
+    whole V x H weight per chunk (16 ms a step at 32768 tokens, 0.8B, H200)."""
+    if device.type != "cuda":
+        return False
+    try:
+        a = torch.ones(4, 8, device=device, dtype=torch.bfloat16)
+        accumulator = torch.ones(4, 4, device=device)
+        torch.addmm(accumulator, a, a.t(), out_dtype=torch.float32, out=accumulator)
+        return bool((accumulator == 9).all())
+    except (RuntimeError, TypeError):
+        return False

@@ -36,7 +36,6 @@ class QwenHybridModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
         self.layers = nn.ModuleList([DecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.activation_checkpointing = False
         self.sequence_shards = 1
 
     def forward(self, input_ids, cu_seqlens=None, position_ids=None, cu_seqlens_cpu=None) -> torch.Tensor:
@@ -55,7 +54,7 @@ class QwenHybridModel(nn.Module):
             cos, sin = _rotary_tables(position_ids, self.config.rotary_dim, self.config.rope_theta)
         hidden = self.embed_tokens(input_ids)
         for layer in self.layers:
-            if self.activation_checkpointing and torch.is_grad_enabled() and not layer.checkpoints_itself:
+            if layer.checkpointed and torch.is_grad_enabled() and not layer.checkpoints_itself:
                 hidden = checkpoint(layer, hidden, cos, sin, documents, use_reentrant=False)
             else:
                 hidden = layer(hidden, cos, sin, documents)
@@ -101,17 +100,25 @@ class QwenHybridForCausalLM(nn.Module):
                 with torch.no_grad():
                     module.weight[module.padding_idx].zero_()
 
-    def set_activation_checkpointing(self, enabled: bool, recompute_attention: bool = True) -> None:
-        """Recompute each decoder layer in the backward instead of keeping its activations.
-        recompute_attention=False: attention layers keep the attention kernel's inputs and outputs
-        (q, k, v, output and its log-sum-exp), the output gate, and their input and its norm (whole
-        sequence of tokens even under sequence parallelism): about T * (4 H + 2 Hkv) * d * 2 + 3 T * hidden * 2
-        bytes a layer (+13.8 GiB for 0.8B at 131072 tokens on the H200), and recompute only their
-        projections, norms and MLP, so the backward runs no attention forward."""
-        self.model.activation_checkpointing = bool(enabled)
-        for layer in self.model.layers:
+    def set_activation_checkpointing(self, enabled: bool, recompute_attention: bool = True,
+                                     layers: int | None = None) -> None:
+        """Recompute decoder layers in the backward instead of keeping their activations.
+        layers: how many, the first ones (None: all); the others keep everything, which spends
+        memory the card has on recomputation it saves (0.8B: ~2.3 GB a layer per 32768 tokens).
+        recompute_attention=False: checkpointed attention layers keep the attention kernel's inputs
+        and outputs (q, k, v, output and its log-sum-exp), the output gate, and their input and its
+        norm (whole sequence of tokens even under sequence parallelism): about
+        T * (4 H + 2 Hkv) * d * 2 + 3 T * hidden * 2 bytes a layer (+13.8 GiB for 0.8B at 131072
+        tokens on the H200), and recompute only their projections, norms and MLP, so the backward
+        runs no attention forward."""
+        count = len(self.model.layers)
+        if layers is not None and not (isinstance(layers, int) and 0 <= layers <= count):
+            raise ValueError(f"layers must be None or an integer in [0, {count}], got {layers!r}")
+        checkpointed = count if layers is None else layers
+        for index, layer in enumerate(self.model.layers):
+            layer.checkpointed = bool(enabled) and index < checkpointed
             if layer.layer_type == "full_attention":
-                layer.self_attn.checkpoint_around_attention = bool(enabled) and not recompute_attention
+                layer.self_attn.checkpoint_around_attention = layer.checkpointed and not recompute_attention
 
     def forward(
         self,

@@ -93,6 +93,11 @@ def validate_config(cfg: DictConfig) -> None:
     _choice("train.precision", train.precision, PRECISIONS)
     _boolean("train.activation_checkpointing", train.activation_checkpointing)
     _boolean("train.recompute_attention", train.recompute_attention)
+    if train.checkpoint_layers is not None:
+        _integer("train.checkpoint_layers", train.checkpoint_layers, 0)
+        if not train.activation_checkpointing:
+            raise ConfigError(f"train.checkpoint_layers={train.checkpoint_layers}: expected "
+                              "train.activation_checkpointing=true (it says how many layers that recomputes)")
     _integer("train.loss_chunk_size", train.loss_chunk_size, 1)
     _integer("train.checkpoint_every", train.checkpoint_every, 0)
     _integer("train.keep_checkpoints", train.keep_checkpoints, 1)

@@ -231,6 +231,9 @@ def check_model_fits(cfg: DictConfig, config: QwenHybridConfig, data_vocab: int)
     except ValueError as error:
         raise ConfigError(f"parallel.cp={cp}: model {name} does not split over {cp} ranks "
                           f"(with parallel.tp={tp}): {error}")
+    layers = cfg.train.checkpoint_layers
+    if layers is not None and layers > config.num_hidden_layers:
+        raise ConfigError(f"train.checkpoint_layers={layers}: model {name} has {config.num_hidden_layers} layers")
     if data_vocab > config.vocab_size:
         raise ConfigError(
             f"model.vocab_size: the model has {config.vocab_size} token ids but the data uses {data_vocab} "
@@ -306,7 +309,8 @@ def build_model(
         model = shard_model(model, parallel_groups, sequence_parallel=sequence_parallel)
     model = apply_context_parallel(model, parallel_groups)
     model.set_activation_checkpointing(cfg.train.activation_checkpointing,
-                                       recompute_attention=cfg.train.recompute_attention)
+                                       recompute_attention=cfg.train.recompute_attention,
+                                       layers=cfg.train.checkpoint_layers)
     model.loss_chunk_size = cfg.train.loss_chunk_size
     return model
 

@@ -21,7 +21,6 @@ from flashqla.hopper.common import compile_for_hopper, dtype_name
 _THREADS = 128  # channels per CTA, one per thread
 FORWARD_TOKENS = 64  # tokens a thread walks in the forward
 BACKWARD_TOKENS = 256  # and in the backward (also the token blocks of dw_partial)
-_UNROLL = 8  # tokens per unrolled step: their loads are independent and issue together
 
 
 def _silu(z):
@@ -55,17 +54,14 @@ def conv_forward_program(x_dtype: str, kernel_size: int, block_tokens: int = FOR
                 for j in T.unroll(K - 1, explicit=True):
                     token = first - (K - 1) + j
                     window[j] = T.if_then_else(token >= 0, T.cast(x[T.max(token, 0), c], f32), 0.0)
-                for step in T.serial(block_tokens // _UNROLL):
-                    for u in T.unroll(_UNROLL, explicit=True):
-                        t = first + step * _UNROLL + u
-                        # clamped, unconditional loads (past the end: the last token, never stored)
-                        here = T.min(t, num_tokens - 1)
-                        window[K - 1] = T.cast(x[here, c], f32)
+                for i in T.serial(block_tokens):
+                    t = first + i
+                    if t < num_tokens:
+                        window[K - 1] = T.cast(x[t, c], f32)
                         acc = 0.0
                         for s in T.unroll(K, explicit=True):  # lag s: x[t - s] meets tap K-1-s
-                            acc = acc + T.if_then_else(position[here] >= s, window[K - 1 - s] * taps[K - 1 - s], 0.0)
-                        if t < num_tokens:
-                            y[t, c] = T.cast(_silu(acc), x_dtype)
+                            acc = acc + T.if_then_else(position[t] >= s, window[K - 1 - s] * taps[K - 1 - s], 0.0)
+                        y[t, c] = T.cast(_silu(acc), x_dtype)
                         for j in T.unroll(K - 1, explicit=True):
                             window[j] = window[j + 1]
 
@@ -78,8 +74,6 @@ def conv_backward_program(x_dtype: str, kernel_size: int, block_tokens: int = BA
     num_blocks = T.dynamic("num_blocks")
     K = kernel_size
     f32 = "float32"
-    # the walk runs K-1 tokens past the block, which feed dx of its last tokens; rounded up to whole steps
-    walk_steps = T.ceildiv(block_tokens + K - 1, _UNROLL)
 
     @T.prim_func
     def causal_conv_silu_backward(
@@ -103,6 +97,7 @@ def conv_backward_program(x_dtype: str, kernel_size: int, block_tokens: int = BA
             grad = T.alloc_var(f32)
             sig = T.alloc_var(f32)
             dpre = T.alloc_var(f32)
+            here = T.alloc_var("int32")
             if c < channels:
                 for s in T.unroll(K, explicit=True):
                     taps[s] = weight[c, s]
@@ -112,34 +107,37 @@ def conv_backward_program(x_dtype: str, kernel_size: int, block_tokens: int = BA
                 for j in T.unroll(K - 1, explicit=True):
                     token = first - (K - 1) + j
                     window[j] = T.if_then_else(token >= 0, T.cast(x[T.max(token, 0), c], f32), 0.0)
-                for step in T.serial(walk_steps):
-                    for u in T.unroll(_UNROLL, explicit=True):
-                        i = step * _UNROLL + u
-                        t = first + i
-                        # clamped, unconditional loads; a token past the end gets dpre = 0
-                        here = T.min(t, num_tokens - 1)
-                        window[K - 1] = T.cast(x[here, c], f32)
+                # tokens past the block feed dx of its last K-1 tokens
+                for i in T.serial(block_tokens + K - 1):
+                    t = first + i
+                    dpre = 0.0
+                    here = 0
+                    if t < num_tokens:
+                        here = position[t]
+                        window[K - 1] = T.cast(x[t, c], f32)
                         pre = 0.0
                         for s in T.unroll(K, explicit=True):
-                            pre = pre + T.if_then_else(position[here] >= s, window[K - 1 - s] * taps[K - 1 - s], 0.0)
+                            pre = pre + T.if_then_else(here >= s, window[K - 1 - s] * taps[K - 1 - s], 0.0)
                         sig = 1.0 / (1.0 + T.exp(-pre))
-                        dpre = T.if_then_else(t < num_tokens, T.cast(dy[here, c], f32) * sig * (1.0 + pre * (1.0 - sig)), 0.0)
+                        dpre = T.cast(dy[t, c], f32) * sig * (1.0 + pre * (1.0 - sig))
                         if i < block_tokens:
                             for s in T.unroll(K, explicit=True):
                                 dw[K - 1 - s] = dw[K - 1 - s] + T.if_then_else(
-                                    position[here] >= s, dpre * window[K - 1 - s], 0.0)
+                                    here >= s, dpre * window[K - 1 - s], 0.0)
                         for j in T.unroll(K - 1, explicit=True):
                             window[j] = window[j + 1]
-                            upstream[j] = upstream[j + 1]
-                            upstream_position[j] = upstream_position[j + 1]
-                        upstream[K - 1] = dpre
-                        upstream_position[K - 1] = position[here]
-                        # x[u] fed pre[u + s] through tap K-1-s, where u + s is at least s into its document
+                    for j in T.unroll(K - 1, explicit=True):
+                        upstream[j] = upstream[j + 1]
+                        upstream_position[j] = upstream_position[j + 1]
+                    upstream[K - 1] = dpre
+                    upstream_position[K - 1] = here
+                    # x[u] fed pre[u + s] through tap K-1-s, where u + s is at least s into its document
+                    u = t - (K - 1)
+                    if i >= K - 1 and u < num_tokens:
                         grad = 0.0
                         for s in T.unroll(K, explicit=True):
                             grad = grad + T.if_then_else(upstream_position[s] >= s, upstream[s] * taps[K - 1 - s], 0.0)
-                        if i >= K - 1 and i < block_tokens + K - 1 and t - (K - 1) < num_tokens:
-                            dx[t - (K - 1), c] = T.cast(grad, x_dtype)
+                        dx[u, c] = T.cast(grad, x_dtype)
                 for s in T.unroll(K, explicit=True):
                     dw_partial[block_t, c, s] = dw[s]
 

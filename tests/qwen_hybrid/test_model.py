@@ -198,6 +198,25 @@ def test_activation_checkpointing_gives_the_same_gradients(recompute_attention):
     assert attention_calls == expected, f"attention kernel calls without/with checkpointing: {attention_calls}, expected {expected}"
 
 
+def test_checkpointing_some_layers_gives_the_same_gradients_and_recomputes_only_those():
+    ids = torch.randint(0, 512, (1, 30), generator=torch.Generator().manual_seed(4))
+    grads, recomputed = [], []
+    for layers in (None, 1):
+        model = tiny_model(seed=6).double()
+        model.set_activation_checkpointing(True, layers=layers)
+        forwards = []
+        for index, layer in enumerate(model.model.layers):
+            layer.register_forward_pre_hook(lambda *_, index=index: forwards.append(index))
+        model(ids, labels=ids).loss.backward()
+        grads.append({name: p.grad for name, p in model.named_parameters()})
+        recomputed.append(sorted(set(i for i in forwards if forwards.count(i) > 1)))
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-12, atol=1e-14, msg=name)
+    assert recomputed == [[0, 1, 2, 3], [0]], f"layers run twice (recomputed): {recomputed}"
+    with pytest.raises(ValueError, match=r"layers must be None or an integer in \[0, 4\], got 5"):
+        model.set_activation_checkpointing(True, layers=5)
+
+
 def test_checkpointed_passes_make_the_same_keep_choice(monkeypatch):
     """A non-reentrant checkpoint needs its recomputation to save exactly the tensors its first pass
     saved: the GDN op must not keep its intermediates in one pass and not the other (an H200 run

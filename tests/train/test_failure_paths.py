@@ -28,6 +28,7 @@ def _compose(*overrides: str):
 @pytest.mark.parametrize("override, key", [
     ("model.gdn_backend=tilelang", "model.gdn_backend='tilelang': backend 'tilelang' needs a CUDA GPU"),
     ("benchmark.compare_backends=[torch,fla]", "benchmark.compare_backends[1]='fla': backend 'fla' needs a CUDA GPU"),
+    ("model.conv_backend=tilelang", "model.conv_backend='tilelang': backend 'tilelang' needs a CUDA GPU"),
 ])
 def test_backend_this_machine_cannot_run_is_a_config_error(override, key):
     with pytest.raises(ConfigError) as error:
@@ -42,6 +43,8 @@ def test_schedule_dataset_and_resume_errors_name_their_key(tmp_path):
          "train.tokens_per_micro_batch=8192: the dataset (embedded corpus, data.embedded_documents=1) holds only"),
         ((f"train.resume={tmp_path}",), f"train.resume='{tmp_path}'"),
         (("train.overwrite=true", "train.resume=auto", f"run_dir={tmp_path}"), "train.overwrite=true: expected train.resume=null"),
+        (("train.checkpoint_layers=2",), "train.checkpoint_layers=2: expected train.activation_checkpointing=true"),
+        (("train.activation_checkpointing=true", "train.checkpoint_layers=9"), "train.checkpoint_layers=9: model tiny has 4 layers"),
     ]
     for overrides, message in cases:
         with pytest.raises(ConfigError) as error:
