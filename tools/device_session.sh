@@ -18,6 +18,7 @@
 #   tests-model         the GPU tests of the conv kernel and of qwen_hybrid/ only
 #   compare-conv        python -m flashqla.bench --compare conv (the conv kernel against torch.compile)
 #   attention           python -m benchmarks.attention_backends (SDPA's kernels and varlen_attn; ATTENTION_ARGS)
+#   loss-curves         20 steps at 8192 tokens of this tree and of baseline/ (a git archive of an older commit), losses side by side
 #   train-32k           launch/benchmark.sh 0.8B 32768 tilelang (train-32k-compare: tilelang,fla)
 #   train-256k          launch/benchmark.sh 0.8B 262144 tilelang
 #   train-8k            launch/benchmark.sh 0.8B 8192 tilelang,fla
@@ -141,6 +142,24 @@ print(first_call_s(implementations([])["ours"], make_inputs(heads, lens)))' "${N
         ;;
     attention)
         step attention 300 60 env OUT="$OUT" "$PYTHON" -m benchmarks.attention_backends ${ATTENTION_ARGS:-}
+        ;;
+    loss-curves)
+        # 20 steps at 8192 tokens, same seed, by this tree and by the tree in baseline/ (git archive of
+        # the commit to compare with): the loss of every step side by side
+        for tree in . baseline; do
+            [ -d "$tree/train" ] || continue
+            step "curve-${tree//./current}" 200 60 env PYTHONPATH="/tmp/devkit/site:$PWD/$tree" bash -c "cd $tree && $PYTHON \
+                train/pretrain.py experiment=h200_single train.steps=20 train.warmup_steps=2 logger.mode=disabled \
+                train.checkpoint_every=0 train.checkpoint_at_exit=false train.export_hf=false \
+                run_dir=/tmp/runs/curve-${tree//./current} && cp /tmp/runs/curve-${tree//./current}/metrics.jsonl $LOGS/curve-${tree//./current}.jsonl"
+        done
+        step curve-compare 30 5 "$PYTHON" -c 'import json, sys
+runs = [[json.loads(l) for l in open(p)] for p in sys.argv[1:]]
+losses = [{r["step"]: r["loss"] for r in run if "loss" in r} for run in runs]
+for step in sorted(losses[0]):
+    print(step, *(f"{l.get(step, -1):.4f}" for l in losses))
+print("max |difference|", max(abs(losses[0][s] - losses[1][s]) for s in losses[0] if s in losses[1]))' \
+            "$LOGS/curve-current.jsonl" "$LOGS/curve-baseline.jsonl"
         ;;
     train-32k) train_run train-0.8B-32k-tilelang 0.8B 32768 tilelang ;;
     train-32k-compare) train_run train-0.8B-32k-compare 0.8B 32768 tilelang,fla ;;
