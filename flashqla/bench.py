@@ -38,7 +38,6 @@ ratios (timings live here, not in the GPU tests, so a busy machine cannot fail a
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import time
 
@@ -277,9 +276,8 @@ def compare_grouped_products(rep_ms: int):
 def compare_conv(rep_ms: int):
     """The GDN layer's causal conv + SiLU, forward + backward, at the 0.8B model's layer width (6144
     channels): torch.compile of the torch definition (what the model ran before the kernel) against
-    the TileLang kernel's variants; one document, and eight packed."""
-    from flashqla.conv import causal_conv1d_silu_torch
-    from flashqla.hopper.causal_conv import VARIANTS, causal_conv1d_silu_hopper
+    the TileLang kernel; one document, and eight packed."""
+    from flashqla.conv import causal_conv1d_silu, causal_conv1d_silu_torch
 
     compiled = torch.compile(causal_conv1d_silu_torch, dynamic=True)
     for tokens, docs in ((32768, 1), (32768, 8), (131072, 1)):
@@ -292,10 +290,8 @@ def compare_conv(rep_ms: int):
         def step(run):
             run().backward(dy)
 
-        flat_position = position.to(torch.int32)
         variants = {"torch.compile": lambda: compiled(x, weight, position),
-                    **{f"kernel, {variant}": functools.partial(causal_conv1d_silu_hopper, x, weight, flat_position, variant)
-                       for variant in VARIANTS}}
+                    "kernel": lambda: causal_conv1d_silu(x, weight, position, backend="tilelang")}
         yield (f"1x{tokens} {docs} doc{'s' if docs > 1 else ''}",
                {name: _median_ms(lambda: step(run), rep_ms, grad_to_none=[x, weight]) for name, run in variants.items()})
 

@@ -247,9 +247,8 @@ def main(argv=None) -> None:
             from flashqla.hopper.causal_conv import compile_conv_backward, compile_conv_forward
 
             for conv_dtype in ("float16", "float32"):  # tests/flashqla/test_causal_conv.py (bfloat16: the checks)
-                for variant in ("walk", "tiled"):
-                    compile_conv_forward(conv_dtype, variant=variant)
-                    compile_conv_backward(conv_dtype, variant=variant)
+                compile_conv_forward(conv_dtype)
+                compile_conv_backward(conv_dtype)
         if "hard" in sets:
             for heads, lens, with_h0 in HARD_CASES:
                 compile_ours([(f"hard {heads[0]}/{heads[1]} {lens}", heads, lens)], with_initial_state=with_h0)

@@ -23,13 +23,6 @@ FORWARD_TOKENS = 64  # tokens a thread walks in the forward
 BACKWARD_TOKENS = 256  # and in the backward (also the token blocks of dw_partial)
 
 
-def _sum(terms):
-    total = terms[0]
-    for term in terms[1:]:
-        total = total + term
-    return total
-
-
 def _silu(z):
     return z / (1.0 + T.exp(-z))
 
@@ -151,171 +144,53 @@ def conv_backward_program(x_dtype: str, kernel_size: int, block_tokens: int = BA
     return causal_conv_silu_backward
 
 
-TILE_TOKENS = 64  # tokens of a tile in the tiled variant (forward and backward)
-
-
-def tiled_forward_program(x_dtype: str, kernel_size: int, block_tokens: int = TILE_TOKENS):
-    """The tiled variant: each CTA stages its tile of x (with the K-1 tokens before it) in shared
-    memory in one parallel pass, so the loads are independent of each other (the walk's are one
-    token at a time), then every thread computes its outputs from shared memory."""
-    num_tokens = T.dynamic("num_tokens")
-    channels = T.dynamic("channels")
-    K = kernel_size
-    f32 = "float32"
-    rows = block_tokens + K - 1
-
-    @T.prim_func
-    def causal_conv_silu_forward_tiled(
-        x: T.Tensor((num_tokens, channels), x_dtype),
-        weight: T.Tensor((channels, K), f32),
-        position: T.Tensor((num_tokens,), "int32"),
-        y: T.Tensor((num_tokens, channels), x_dtype),
-    ):
-        with T.Kernel(T.ceildiv(channels, _THREADS), T.ceildiv(num_tokens, block_tokens),
-                      threads=_THREADS) as (block_c, block_t):
-            first = block_t * block_tokens
-            c0 = block_c * _THREADS
-            x_s = T.alloc_shared((rows, _THREADS), x_dtype)  # tokens first - (K-1) .. first + block_tokens - 1
-            position_s = T.alloc_shared((block_tokens,), "int32")
-            weight_s = T.alloc_shared((_THREADS, K), f32)
-            for i, j in T.Parallel(rows, _THREADS):
-                token = first - (K - 1) + i
-                x_s[i, j] = T.if_then_else((token >= 0) & (token < num_tokens) & (c0 + j < channels),
-                                           x[T.max(T.min(token, num_tokens - 1), 0), T.min(c0 + j, channels - 1)], 0)
-            for i in T.Parallel(block_tokens):
-                position_s[i] = position[T.min(first + i, num_tokens - 1)]
-            for j, s in T.Parallel(_THREADS, K):
-                weight_s[j, s] = weight[T.min(c0 + j, channels - 1), s]
-            for i, j in T.Parallel(block_tokens, _THREADS):
-                # lag s: x[t - s] meets tap K-1-s (one expression: names bound in T.Parallel are immutable)
-                acc = _sum([T.if_then_else(position_s[i] >= s, T.cast(x_s[i + K - 1 - s, j], f32) * weight_s[j, K - 1 - s], 0.0)
-                            for s in range(K)])
-                if (first + i < num_tokens) & (c0 + j < channels):
-                    y[first + i, c0 + j] = T.cast(_silu(acc), x_dtype)
-
-    return causal_conv_silu_forward_tiled
-
-
-def tiled_backward_program(x_dtype: str, kernel_size: int, block_tokens: int = TILE_TOKENS):
-    """The tiled backward: x with K-1 tokens on either side, dy and the positions with K-1 tokens
-    after the tile, staged in shared memory; dpre of the tile and its K-1 successors computed in
-    parallel into shared memory; dx from it; dw as K column sums of the tile."""
-    num_tokens = T.dynamic("num_tokens")
-    channels = T.dynamic("channels")
-    num_blocks = T.dynamic("num_blocks")
-    K = kernel_size
-    f32 = "float32"
-    rows = block_tokens + K - 1  # tokens first .. first + block_tokens + K - 2
-
-    @T.prim_func
-    def causal_conv_silu_backward_tiled(
-        x: T.Tensor((num_tokens, channels), x_dtype),
-        weight: T.Tensor((channels, K), f32),
-        position: T.Tensor((num_tokens,), "int32"),
-        dy: T.Tensor((num_tokens, channels), x_dtype),
-        dx: T.Tensor((num_tokens, channels), x_dtype),
-        dw_partial: T.Tensor((num_blocks, channels, K), f32),
-    ):
-        with T.Kernel(T.ceildiv(channels, _THREADS), num_blocks, threads=_THREADS) as (block_c, block_t):
-            first = block_t * block_tokens
-            c0 = block_c * _THREADS
-            x_s = T.alloc_shared((rows + K - 1, _THREADS), x_dtype)  # tokens first - (K-1) ..
-            dy_s = T.alloc_shared((rows, _THREADS), x_dtype)
-            position_s = T.alloc_shared((rows,), "int32")
-            weight_s = T.alloc_shared((_THREADS, K), f32)
-            dpre_s = T.alloc_shared((rows, _THREADS), f32)
-            products = T.alloc_fragment((block_tokens, _THREADS), f32)
-            column_sums = T.alloc_fragment((_THREADS,), f32)
-            for i, j in T.Parallel(rows + K - 1, _THREADS):
-                token = first - (K - 1) + i
-                x_s[i, j] = T.if_then_else((token >= 0) & (token < num_tokens) & (c0 + j < channels),
-                                           x[T.max(T.min(token, num_tokens - 1), 0), T.min(c0 + j, channels - 1)], 0)
-            for i, j in T.Parallel(rows, _THREADS):
-                dy_s[i, j] = T.if_then_else((first + i < num_tokens) & (c0 + j < channels),
-                                            dy[T.min(first + i, num_tokens - 1), T.min(c0 + j, channels - 1)], 0)
-            for i in T.Parallel(rows):
-                position_s[i] = position[T.min(first + i, num_tokens - 1)]
-            for j, s in T.Parallel(_THREADS, K):
-                weight_s[j, s] = weight[T.min(c0 + j, channels - 1), s]
-            # dpre of token first + i (0 past the end, where dy_s is 0)
-            for i, j in T.Parallel(rows, _THREADS):
-                pre = _sum([T.if_then_else(position_s[i] >= s, T.cast(x_s[i + K - 1 - s, j], f32) * weight_s[j, K - 1 - s], 0.0)
-                            for s in range(K)])
-                sig = 1.0 / (1.0 + T.exp(-pre))
-                dpre_s[i, j] = T.cast(dy_s[i, j], f32) * sig * (1.0 + pre * (1.0 - sig))
-            # x[u] fed pre[u + s] through tap K-1-s, where u + s is at least s into its document
-            for i, j in T.Parallel(block_tokens, _THREADS):
-                grad = _sum([T.if_then_else(position_s[i + s] >= s, dpre_s[i + s, j] * weight_s[j, K - 1 - s], 0.0)
-                             for s in range(K)])
-                if (first + i < num_tokens) & (c0 + j < channels):
-                    dx[first + i, c0 + j] = T.cast(grad, x_dtype)
-            for s in T.unroll(K, explicit=True):
-                for i, j in T.Parallel(block_tokens, _THREADS):
-                    products[i, j] = T.if_then_else(position_s[i] >= s, dpre_s[i, j] * T.cast(x_s[i + K - 1 - s, j], f32), 0.0)
-                T.reduce_sum(products, column_sums, dim=0, clear=True)
-                for j in T.Parallel(_THREADS):
-                    if c0 + j < channels:
-                        dw_partial[block_t, c0 + j, K - 1 - s] = column_sums[j]
-
-    return causal_conv_silu_backward_tiled
-
-
-VARIANTS = ("walk", "tiled")
-DEFAULT_VARIANT = "walk"
-_PROGRAMS = {"walk": (conv_forward_program, conv_backward_program, BACKWARD_TOKENS),
-             "tiled": (tiled_forward_program, tiled_backward_program, TILE_TOKENS)}
+@functools.lru_cache(maxsize=None)
+def compile_conv_forward(x_dtype: str = "bfloat16", kernel_size: int = 4):
+    return compile_for_hopper(conv_forward_program(x_dtype, kernel_size))
 
 
 @functools.lru_cache(maxsize=None)
-def compile_conv_forward(x_dtype: str = "bfloat16", kernel_size: int = 4, variant: str = DEFAULT_VARIANT):
-    return compile_for_hopper(_PROGRAMS[variant][0](x_dtype, kernel_size))
+def compile_conv_backward(x_dtype: str = "bfloat16", kernel_size: int = 4):
+    return compile_for_hopper(conv_backward_program(x_dtype, kernel_size))
 
 
-@functools.lru_cache(maxsize=None)
-def compile_conv_backward(x_dtype: str = "bfloat16", kernel_size: int = 4, variant: str = DEFAULT_VARIANT):
-    return compile_for_hopper(_PROGRAMS[variant][1](x_dtype, kernel_size))
-
-
-def conv_forward(x: torch.Tensor, weight: torch.Tensor, position: torch.Tensor,
-                 variant: str = DEFAULT_VARIANT) -> torch.Tensor:
+def conv_forward(x: torch.Tensor, weight: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
     """x [N, C] contiguous, weight [C, K] float32 contiguous, position [N] int32 -> y [N, C]."""
     y = torch.empty_like(x)
     if x.numel():
-        compile_conv_forward(dtype_name(x), weight.shape[1], variant)(x, weight, position, y)
+        compile_conv_forward(dtype_name(x), weight.shape[1])(x, weight, position, y)
     return y
 
 
-def conv_backward(x, weight, position, dy, variant: str = DEFAULT_VARIANT) -> tuple[torch.Tensor, torch.Tensor]:
+def conv_backward(x, weight, position, dy) -> tuple[torch.Tensor, torch.Tensor]:
     """dx [N, C] (x's dtype) and dw [C, K] float32 for the forward above."""
     dx = torch.empty_like(x)
-    num_blocks = -(-x.shape[0] // _PROGRAMS[variant][2])
+    num_blocks = -(-x.shape[0] // BACKWARD_TOKENS)
     dw_partial = torch.empty(num_blocks, *weight.shape, dtype=torch.float32, device=x.device)
     if x.numel():
-        compile_conv_backward(dtype_name(x), weight.shape[1], variant)(x, weight, position, dy, dx, dw_partial)
+        compile_conv_backward(dtype_name(x), weight.shape[1])(x, weight, position, dy, dx, dw_partial)
     return dx, dw_partial.sum(0)
 
 
 class CausalConvSilu(torch.autograd.Function):
-    """Keeps x (and the positions) only: the backward recomputes the conv."""
+    """Keeps x (and the positions) only: the backward recomputes the conv in registers."""
 
     @staticmethod
-    def forward(ctx, x, weight, position, variant):
+    def forward(ctx, x, weight, position):
         taps = weight.reshape(weight.shape[0], -1).to(torch.float32).contiguous()
         flat = x.reshape(-1, x.shape[-1]).contiguous()
         ctx.save_for_backward(flat, taps, position)
-        ctx.weight_shape, ctx.weight_dtype, ctx.variant = weight.shape, weight.dtype, variant
-        return conv_forward(flat, taps, position, variant).view(x.shape)
+        ctx.weight_shape, ctx.weight_dtype = weight.shape, weight.dtype
+        return conv_forward(flat, taps, position).view(x.shape)
 
     @staticmethod
     def backward(ctx, dy):
         flat, taps, position = ctx.saved_tensors
-        dx, dw = conv_backward(flat, taps, position, dy.reshape(flat.shape).contiguous(), ctx.variant)
-        return dx.view(dy.shape), dw.view(ctx.weight_shape).to(ctx.weight_dtype), None, None
+        dx, dw = conv_backward(flat, taps, position, dy.reshape(flat.shape).contiguous())
+        return dx.view(dy.shape), dw.view(ctx.weight_shape).to(ctx.weight_dtype), None
 
 
-def causal_conv1d_silu_hopper(x: torch.Tensor, weight: torch.Tensor, position: torch.Tensor,
-                              variant: str = DEFAULT_VARIANT) -> torch.Tensor:
+def causal_conv1d_silu_hopper(x: torch.Tensor, weight: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
     """silu(causal depthwise conv) of x [B, T, C] (bfloat16, float16 or float32) with weight
-    [C, 1, K] or [C, K]; position [B * T] int32: each token's position in its document (or row).
-    variant: "walk" or "tiled" (the bench and the tests compare them)."""
-    return CausalConvSilu.apply(x, weight, position, variant)
+    [C, 1, K] or [C, K]; position [B * T] int32: each token's position in its document (or row)."""
+    return CausalConvSilu.apply(x, weight, position)

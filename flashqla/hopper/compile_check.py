@@ -32,10 +32,8 @@ COMPILE_CHECKS = [
     ("backward_state_grads", lambda: compile_state_grads(32)),
     ("backward_state_grads_pieces", lambda: compile_state_grads(64, pieces=True)),
     ("backward_chunk_grads", compile_chunk_grads),
-    ("causal_conv_forward", lambda: compile_conv_forward("bfloat16", variant="walk")),
-    ("causal_conv_backward", lambda: compile_conv_backward("bfloat16", variant="walk")),
-    ("causal_conv_forward_tiled", lambda: compile_conv_forward("bfloat16", variant="tiled")),
-    ("causal_conv_backward_tiled", lambda: compile_conv_backward("bfloat16", variant="tiled")),
+    ("causal_conv_forward", lambda: compile_conv_forward("bfloat16")),
+    ("causal_conv_backward", lambda: compile_conv_backward("bfloat16")),
 ]
 
 

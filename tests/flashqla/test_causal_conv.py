@@ -26,20 +26,10 @@ def _inputs(lengths, channels, dtype, batch=1, seed=0, device="cuda"):
     return x.to(device, dtype), weight.to(device, torch.float32), dy.to(device, dtype)
 
 
-def _run(x, weight, position, dy, backend, variant=None):
-    """The op's outputs and gradients; variant (the kernel's "walk" or "tiled"): the Hopper
-    kernel of that variant, whatever the op's default."""
+def _run(x, weight, position, dy, backend):
     x = x.detach().clone().requires_grad_()
     weight = weight.detach().clone().requires_grad_()
-    if variant is None:
-        y = causal_conv1d_silu(x, weight, position, backend=backend)
-    else:
-        from flashqla.hopper.causal_conv import causal_conv1d_silu_hopper
-
-        if position is None:
-            position = torch.arange(x.shape[1], device=x.device)
-        flat_position = position.to(torch.int32).repeat(x.shape[0])
-        y = causal_conv1d_silu_hopper(x, weight, flat_position, variant=variant)
+    y = causal_conv1d_silu(x, weight, position, backend=backend)
     y.backward(dy)
     return {"y": y.detach(), "dx": x.grad, "dw": weight.grad}
 
@@ -53,19 +43,15 @@ def _worst_per_document(ours, truth, lengths):
     return worst
 
 
-VARIANTS = ("walk", "tiled")
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("dtype, bound", [(torch.bfloat16, 8e-3), (torch.float16, 2e-3), (torch.float32, 1e-5)])
 @pytest.mark.parametrize("lengths, batch, channels", [(RAGGED, 1, 6144), ([2047], 3, 200), ([5000], 1, 130)],
                          ids=["ragged_6144", "batch3_200", "long_130"])
-def test_kernel_matches_float64_autograd(lengths, batch, channels, dtype, bound, variant):
+def test_kernel_matches_float64_autograd(lengths, batch, channels, dtype, bound):
     x, weight, dy = _inputs(lengths, channels, dtype, batch=batch)
     position = _positions(lengths, x.device) if batch == 1 else None
     poison_allocator()
-    ours = _run(x, weight, position, dy, "tilelang", variant)
+    ours = _run(x, weight, position, dy, "tilelang")
     exact = _run(x.double(), weight.double(), position, dy.double(), "torch")
     for name in ("y", "dx", "dw"):
         assert ours[name].dtype == (dtype if name != "dw" else torch.float32), name
@@ -78,37 +64,24 @@ def test_kernel_matches_float64_autograd(lengths, batch, channels, dtype, bound,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_kernel_is_deterministic(variant):
+def test_kernel_is_deterministic():
     x, weight, dy = _inputs(RAGGED, 6144, torch.bfloat16, seed=3)
     position = _positions(RAGGED, x.device)
-    first, second = (_run(x, weight, position, dy, "tilelang", variant) for _ in range(2))
+    first, second = _run(x, weight, position, dy, "tilelang"), _run(x, weight, position, dy, "tilelang")
     for name in first:
         assert torch.equal(first[name], second[name]), name
 
 
 @pytest.mark.gpu
-def test_the_public_op_runs_the_default_variant():
-    from flashqla.hopper.causal_conv import DEFAULT_VARIANT
-
-    x, weight, dy = _inputs([300, 5], 256, torch.bfloat16, seed=5)
-    position = _positions([300, 5], x.device)
-    public, default = _run(x, weight, position, dy, "tilelang"), _run(x, weight, position, dy, "tilelang", DEFAULT_VARIANT)
-    for name in public:
-        assert torch.equal(public[name], default[name]), name
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_documents_do_not_see_each_other_in_the_kernel(variant):
+def test_documents_do_not_see_each_other_in_the_kernel():
     """Each document alone, through the kernel, equals its slice of the packed run (bitwise: the
     kernel's sums do not depend on what lies outside the document)."""
     lengths = [3, 700, 1, 260]
     x, weight, dy = _inputs(lengths, 256, torch.bfloat16, seed=4)
-    packed = _run(x, weight, _positions(lengths, x.device), dy, "tilelang", variant)
+    packed = _run(x, weight, _positions(lengths, x.device), dy, "tilelang")
     start = 0
     for n in lengths:
-        alone = _run(x[:, start:start + n], weight, None, dy[:, start:start + n], "tilelang", variant)
+        alone = _run(x[:, start:start + n], weight, None, dy[:, start:start + n], "tilelang")
         assert torch.equal(alone["y"], packed["y"][:, start:start + n])
         assert torch.equal(alone["dx"], packed["dx"][:, start:start + n])
         start += n
