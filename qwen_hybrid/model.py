@@ -152,7 +152,7 @@ class QwenHybridForCausalLM(nn.Module):
             return_logits = labels is None and targets is None
         output = CausalLMOutput()
         if labels is not None:
-            targets = shift_labels(labels, cu_seqlens)
+            targets = shift_labels(labels, cu_seqlens_cpu)
         if targets is not None:
             output.loss = self.lm_head(
                 hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1), chunk_size=self.loss_chunk_size
@@ -197,8 +197,9 @@ def shift_labels(labels: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -
     targets = torch.full_like(labels, IGNORE_INDEX)
     targets[:, :-1] = labels[:, 1:]
     if cu_seqlens is not None:
+        # picked where cu_seqlens lives: on the host this costs no device synchronisation
         last_tokens = cu_seqlens[1:].to(torch.long) - 1
-        targets[0, last_tokens[last_tokens >= 0]] = IGNORE_INDEX
+        targets[0, last_tokens[last_tokens >= 0].to(targets.device, non_blocking=True)] = IGNORE_INDEX
     return targets
 
 

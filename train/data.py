@@ -141,8 +141,7 @@ class PackedDataset:
 @dataclass
 class MicroBatch:
     input_ids: torch.Tensor  # [1, T] int64; also the labels (the model shifts them)
-    cu_seqlens: torch.Tensor  # [N + 1] int32, document pieces inside the window
-    position_ids: torch.Tensor  # [1, T] int64, restarting at 0 in each piece
+    cu_seqlens: torch.Tensor  # [N + 1] int32, document pieces inside the window (the model derives positions)
     index: int  # global micro-batch index, for logging and checks
 
 
@@ -201,12 +200,9 @@ class MicroBatchSampler:
             doc_starts = np.asarray(offsets[first_doc:last_doc], dtype=np.int64) - start
         bounds = np.concatenate([[0], doc_starts, [length]])
         cu_seqlens = _split_long_pieces(bounds, self.max_seq_len)
-        lengths = np.diff(cu_seqlens)
-        position_ids = np.arange(length) - np.repeat(cu_seqlens[:-1], lengths)
         return MicroBatch(
             input_ids=input_ids,
             cu_seqlens=torch.from_numpy(cu_seqlens.astype(np.int32)),
-            position_ids=torch.from_numpy(position_ids).unsqueeze(0),
             index=global_index,
         )
 

@@ -464,11 +464,10 @@ def train_step(run: "Run", data_position: int) -> tuple[torch.Tensor, float]:
 def model_inputs(batch, groups: ParallelGroups, device: torch.device) -> dict:
     """The model's arguments for this rank: the whole micro-batch, or under context parallelism
     this rank's slice with its targets shifted over the whole sequence. cu_seqlens stays on the
-    CPU: the model keeps the host copy and moves it."""
+    CPU: the model keeps the host copy, moves it, and derives the positions in documents from it."""
     if groups.cp_size == 1:
         input_ids = batch.input_ids.to(device, non_blocking=True)
-        return dict(input_ids=input_ids, cu_seqlens=batch.cu_seqlens,
-                    position_ids=batch.position_ids.to(device, non_blocking=True), labels=input_ids)
+        return dict(input_ids=input_ids, cu_seqlens=batch.cu_seqlens, labels=input_ids)
     part = context_parallel_slice(batch.input_ids, batch.cu_seqlens, cp_size=groups.cp_size, cp_rank=groups.cp_rank)
     return {name: value if name == "cu_seqlens" else value.to(device, non_blocking=True)
             for name, value in part.model_inputs().items()}
