@@ -7,7 +7,8 @@ A case: impl ("ours" | "hf"), size (a named size), tokens, docs (equal documents
 cu_seqlens; HF gets one unpacked sequence), backend (GDN), ckpt (activation checkpointing),
 steps, profile (N > 0: one more step under torch.profiler; its N costliest GPU kernels and host
 ops are printed). Random bf16 weights on the current CUDA device; each result is printed and appended as a
-JSON line to $OUT/bench.jsonl when OUT is set. The first step includes kernel compilation.
+JSON line to $OUT/bench.jsonl when OUT is set, and at the end every case's step time and peak memory
+as a ratio to the first case's. The first step includes kernel compilation.
 Run from the repository root.
 """
 from __future__ import annotations
@@ -131,13 +132,37 @@ def main(argv: list[str] | None = None) -> int:
         # everything below allocates on the current CUDA device
         print("benchmarks.model_vs_hf: needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
         return 2
+    results = []
     for case in args.cases:
         result = measure(**case)
+        results.append(result)
         print(json.dumps(result), flush=True)
         if os.environ.get("OUT"):
             with open(os.path.join(os.environ["OUT"], "bench.jsonl"), "a") as f:
                 f.write(json.dumps(result) + "\n")
+    for line in comparison_lines(results):
+        print(line, flush=True)
     return 0
+
+
+def comparison_lines(results: list[dict]) -> list[str]:
+    """Each case's step time and peak memory against the first case's (the first is the reference:
+    'step 1.17x' means 1.17 times the first case's step time); cases that failed say why."""
+    if len(results) < 2 or "step_ms" not in results[0]:
+        return []
+    first = results[0]
+    lines = [f"against case 1 ({_case_name(first)}: {first['step_ms']} ms, {first['peak_gib']} GiB):"]
+    for number, result in enumerate(results[1:], start=2):
+        if "step_ms" in result:
+            lines.append(f"  case {number} ({_case_name(result)}): step {result['step_ms'] / first['step_ms']:.2f}x, "
+                         f"peak memory {result['peak_gib'] / first['peak_gib']:.2f}x")
+        else:
+            lines.append(f"  case {number} ({_case_name(result)}): {result.get('error', 'no result')}")
+    return lines
+
+
+def _case_name(result: dict) -> str:
+    return f"{result['impl']} {result['size']} {result['tokens']} tokens, backend {result['backend']}"
 
 
 if __name__ == "__main__":

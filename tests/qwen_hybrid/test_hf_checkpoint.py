@@ -312,3 +312,17 @@ def test_benchmark_without_cuda_says_so_in_one_line():
     assert result.stderr.strip().splitlines() == [
         "benchmarks.model_vs_hf: needs a CUDA GPU (torch.cuda.is_available() is False)"
     ]
+
+
+def test_model_vs_hf_prints_each_case_against_the_first():
+    from benchmarks.model_vs_hf import comparison_lines
+
+    case = dict(size="0.8B", tokens=16384, backend="auto")
+    results = [dict(case, impl="ours", step_ms=400.0, peak_gib=35.0), dict(case, impl="hf", step_ms=480.0, peak_gib=91.0),
+               dict(case, impl="hf", tokens=32768, error="out of memory: 30 GiB")]
+    assert comparison_lines(results) == [
+        "against case 1 (ours 0.8B 16384 tokens, backend auto: 400.0 ms, 35.0 GiB):",
+        "  case 2 (hf 0.8B 16384 tokens, backend auto): step 1.20x, peak memory 2.60x",
+        "  case 3 (hf 0.8B 32768 tokens, backend auto): out of memory: 30 GiB",
+    ]
+    assert comparison_lines(results[:1]) == []
