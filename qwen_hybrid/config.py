@@ -46,6 +46,7 @@ class QwenHybridConfig:
     # ours, not HF's: which implementations the GDN layers call for the gated delta rule and the conv
     gdn_backend: str = "auto"
     conv_backend: str = "auto"
+    gdn_keep_for_backward: bool = True  # flashqla.chunk_gated_delta_rule's keep_for_backward
 
     def __post_init__(self) -> None:
         if self.layer_types is None:
@@ -100,6 +101,8 @@ class QwenHybridConfig:
             raise ValueError(f"gdn_backend must be one of {GDN_BACKENDS}, got {self.gdn_backend!r}")
         if self.conv_backend not in CONV_BACKENDS:
             raise ValueError(f"conv_backend must be one of {CONV_BACKENDS}, got {self.conv_backend!r}")
+        if not isinstance(self.gdn_keep_for_backward, bool):
+            raise ValueError(f"gdn_keep_for_backward must be true or false, got {self.gdn_keep_for_backward!r}")
 
     @property
     def rotary_dim(self) -> int:
@@ -143,7 +146,7 @@ class QwenHybridConfig:
             raise ValueError(f"rope_parameters.rope_type must be 'default', got {rope_type!r} (rope scaling unsupported)")
         values: dict[str, Any] = {}
         for field in dataclasses.fields(cls):
-            if field.name in text and field.name not in ("rope_theta", "partial_rotary_factor", "gdn_backend", "conv_backend"):
+            if field.name in text and field.name not in ("rope_theta", "partial_rotary_factor", "gdn_backend", "conv_backend", "gdn_keep_for_backward"):
                 values[field.name] = text[field.name]
         values["rope_theta"] = float(rope.get("rope_theta", text.get("rope_theta", 10_000_000.0)))
         values["partial_rotary_factor"] = float(

@@ -186,20 +186,21 @@ class CausalConv1d(nn.Module):
 class GatedDeltaRule(nn.Module):
     """Parameter-free wrapper of `flashqla.chunk_gated_delta_rule` (a hook point for timing)."""
 
-    def __init__(self, backend: str = "auto"):
+    def __init__(self, backend: str = "auto", keep_for_backward: bool = True):
         super().__init__()
         self.backend = backend
+        self.keep_for_backward = keep_for_backward
 
     def forward(self, q, k, v, g, beta, documents: DocumentLayout | None = None) -> torch.Tensor:
         cu_seqlens, cu_seqlens_cpu = (None, None) if documents is None else (documents.cu_seqlens, documents.cu_seqlens_cpu)
         o, _ = flashqla.chunk_gated_delta_rule(
             q, k, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
-            backend=self.backend,
+            backend=self.backend, keep_for_backward=self.keep_for_backward,
         )
         return o
 
     def extra_repr(self) -> str:
-        return f"backend={self.backend!r}"
+        return f"backend={self.backend!r}, keep_for_backward={self.keep_for_backward}"
 
 
 class GatedDeltaNet(nn.Module):
@@ -222,6 +223,7 @@ class GatedDeltaNet(nn.Module):
         eps: float = 1e-6,
         backend: str = "auto",
         conv_backend: str = "auto",
+        keep_for_backward: bool = True,
     ):
         super().__init__()
         if num_v_heads % num_k_heads != 0:
@@ -239,7 +241,7 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.empty(num_v_heads).uniform_(0.01, 16).log())
         self.norm = GatedRMSNorm(head_v_dim, eps=eps)
         self.out_proj = nn.Linear(value_dim, hidden_size, bias=False)
-        self.gated_delta_rule = GatedDeltaRule(backend)
+        self.gated_delta_rule = GatedDeltaRule(backend, keep_for_backward)
         self.head_exchange = None  # context parallelism (module docstring)
 
     # Head counts this module holds, from its parameter shapes (for inspection: forward reads them
@@ -485,6 +487,7 @@ class DecoderLayer(nn.Module):
                 config.hidden_size, config.linear_num_key_heads, config.linear_num_value_heads,
                 config.linear_key_head_dim, config.linear_value_head_dim, config.linear_conv_kernel_dim,
                 eps=config.rms_norm_eps, backend=config.gdn_backend, conv_backend=config.conv_backend,
+                keep_for_backward=config.gdn_keep_for_backward,
             )
         else:
             self.self_attn = GatedAttention(

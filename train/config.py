@@ -53,6 +53,7 @@ def validate_config(cfg: DictConfig) -> None:
     _choice("model.name", model.name, NAMED_SIZES)
     _choice("model.gdn_backend", model.gdn_backend, GDN_BACKENDS)
     _choice("model.conv_backend", model.conv_backend, CONV_BACKENDS)
+    _boolean("model.gdn_keep_for_backward", model.gdn_keep_for_backward)
     if model.vocab_size is not None:
         _integer("model.vocab_size", model.vocab_size, 1)
     if model.init_from is not None and not (Path(str(model.init_from)) / "config.json").is_file():

@@ -242,6 +242,25 @@ def test_checkpointed_passes_make_the_same_keep_choice(monkeypatch):
     )
 
 
+@pytest.mark.parametrize("keep", [True, False])
+def test_gdn_keep_for_backward_reaches_the_op(monkeypatch, keep):
+    import flashqla
+    from qwen_hybrid import layers
+
+    op = flashqla.chunk_gated_delta_rule
+    passes = []
+
+    def recording_op(*args, keep_for_backward=True, **kwargs):
+        passes.append(keep_for_backward)
+        return op(*args, keep_for_backward=keep_for_backward, **kwargs)
+
+    monkeypatch.setattr(layers.flashqla, "chunk_gated_delta_rule", recording_op)
+    model = tiny_model(seed=5, gdn_keep_for_backward=keep)
+    ids = torch.randint(0, 512, (1, 12))
+    model(ids, labels=ids).loss.backward()
+    assert passes == [keep, keep], f"keep_for_backward per GDN call: {passes}, expected [{keep}, {keep}]"
+
+
 def test_kernel_calls_go_through_parameter_free_modules():
     model = tiny_model()
     rules = [m for m in model.modules() if isinstance(m, GatedDeltaRule)]
