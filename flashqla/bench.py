@@ -2,7 +2,7 @@
 and side-by-side timings of kernel variants (--compare).
 
     python -m flashqla.bench [--fwd] [--bwd] [--json PATH] [--shapes SUBSTR,...] [--baselines fla,flashqla]
-                             [--time-budget SECONDS] [--breakdown]
+                             [--time-budget SECONDS] [--breakdown] [--model]
     python -m flashqla.bench --compare [backward_pieces,keep_forward,grouped_products,conv] [--json PATH]
 
 Each library is called the way its users call it: ours through `flashqla.chunk_gated_delta_rule`
@@ -16,6 +16,9 @@ spares both a device->host read per call; FlashQLA's signature has no such argum
 Inputs as in the anchors' benchmark: bf16 q/k/v (q, k L2-normalised), fp32 g = logsigmoid(randn)/16,
 fp32 beta = sigmoid(rand), fp32 initial state, final state on, K = V = 128, B = 1 with cu_seqlens.
 Median of triton.testing.do_bench; forward under no_grad; backward = (forward + backward) - forward.
+--model calls the op as the model's GDN layer does instead, on its head layouts (16/16 at 32768 and
+131072 tokens, 8/8 at 131072): q, k not normalised with use_qk_l2norm_in_kernel=True, bf16 beta, no
+initial or final state, and the forward timed under autograd (what it keeps for the backward included).
 Per shape it also records each library's first call (compile included: FlashQLA compiles about a
 dozen TileLang kernels per head layout, minutes without a carried TileLang cache) and the relative
 L2 distance of o and the final state from FLA's.
@@ -30,10 +33,11 @@ FLA_CACHE_RESULTS=0) and the timed run then autotunes alone with every kernel al
 --compare times what decides between kernel variants, each pair on the same inputs, and prints the
 ratios (timings live here, not in the GPU tests, so a busy machine cannot fail a correctness test):
 - backward_pieces: the backward with the state-gradient walk in pieces (`hopper.backward(...,
-  state_grads_in_pieces=True)`, not yet run on a GPU) against the whole-sequence walk;
+  state_grads_in_pieces=True)`, reachable from here only) against the whole-sequence walk;
 - keep_forward: forward + backward through the public op, keep_for_backward=False against True;
 - grouped_products: the per-value-head gated products kernel against the grouped one at 4 and at
-  3 CTAs per SM (MIN_BLOCKS_PER_SM, the default).
+  3 CTAs per SM (MIN_BLOCKS_PER_SM, the default);
+- conv: the GDN layer's conv + SiLU, the TileLang kernel against torch.compile of its definition.
 """
 from __future__ import annotations
 
@@ -50,45 +54,78 @@ LENGTHS = {"1x8192": [8192], "1x32768": [32768], "28672+4096": [28672, 4096], "8
 DIFFERENTIABLE_INPUTS = ("q", "k", "v", "g", "beta", "initial_state")
 
 
+# The GDN layers of the models we train: 0.8B and 2B (16/16 heads), and the same at tp = 2 (8/8).
+MODEL_SHAPES = [("16/16 1x32768", (16, 16), [32768]), ("16/16 1x131072", (16, 16), [131072]),
+                ("8/8 1x131072", (8, 8), [131072])]
+
+
 def bench_shapes() -> list[tuple[str, tuple[int, int], list[int]]]:
     shapes = [(f"{a}/{b} {length}", (a, b), lens)
               for (a, b) in HEAD_LAYOUTS.values() for length, lens in LENGTHS.items()]
     shapes.append(("2/8 1x131072", (2, 8), [131072]))
-    return shapes
+    return shapes + MODEL_SHAPES[1:]
 
 
-def make_inputs(heads: tuple[int, int], seq_lens: list[int], seed: int = 0) -> dict:
+def make_inputs(heads: tuple[int, int], seq_lens: list[int], seed: int = 0, like_the_model: bool = False,
+                device="cuda") -> dict:
+    """The op's arguments. like_the_model: as the model's GDN layer passes them (q, k not normalised,
+    with use_qk_l2norm_in_kernel; beta in bf16 from the bf16 projection; no initial or final state);
+    else the anchors' inputs (normalised q, k, fp32 beta, initial and final state)."""
     num_qk_heads, num_v_heads = heads
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
     total = sum(seq_lens)
 
     def randn(*shape):
-        return torch.randn(*shape, generator=gen, device="cuda", dtype=torch.float32)
+        return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32)
 
+    q, k = randn(1, total, num_qk_heads, 128), randn(1, total, num_qk_heads, 128)
+    if not like_the_model:
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+    beta = torch.rand(1, total, num_v_heads, generator=gen, device=device).sigmoid()
     return dict(
-        q=F.normalize(randn(1, total, num_qk_heads, 128), dim=-1).to(torch.bfloat16),
-        k=F.normalize(randn(1, total, num_qk_heads, 128), dim=-1).to(torch.bfloat16),
-        v=randn(1, total, num_v_heads, 128).to(torch.bfloat16),
+        q=q.to(torch.bfloat16), k=k.to(torch.bfloat16), v=randn(1, total, num_v_heads, 128).to(torch.bfloat16),
         g=F.logsigmoid(randn(1, total, num_v_heads)) / 16,
-        beta=torch.rand(1, total, num_v_heads, generator=gen, device="cuda").sigmoid(),
-        initial_state=randn(len(seq_lens), num_v_heads, 128, 128),
-        cu_seqlens=torch.tensor([0, *seq_lens], device="cuda").cumsum(0).to(torch.int32),
-        cu_seqlens_long=torch.tensor([0, *seq_lens], device="cuda").cumsum(0),
+        beta=beta.to(torch.bfloat16) if like_the_model else beta,
+        initial_state=None if like_the_model else randn(len(seq_lens), num_v_heads, 128, 128),
+        output_final_state=not like_the_model,
+        use_qk_l2norm_in_kernel=like_the_model,
+        cu_seqlens=torch.tensor([0, *seq_lens], device=device).cumsum(0).to(torch.int32),
+        cu_seqlens_long=torch.tensor([0, *seq_lens], device=device).cumsum(0),
         cu_seqlens_cpu=torch.tensor([0, *seq_lens]).cumsum(0),
     )
 
 
-def implementations(baselines: list[str], host_offsets: bool = True) -> dict:
-    """name -> f(inputs) returning (o, final_state); ours first. Each calls its library's public op."""
+def _leaves(inputs: dict) -> dict:
+    """Fresh leaves requiring grad for the differentiable inputs the call has."""
+    return {name: inputs[name].detach().requires_grad_(True) for name in DIFFERENTIABLE_INPUTS
+            if inputs[name] is not None}
+
+
+def _differentiated(o, final_state) -> tuple:
+    """The outputs autograd differentiates: the final state only where the call makes one."""
+    return (o,) if final_state is None else (o, final_state)
+
+
+def _output_grads_for(outputs: tuple, seed: int = 1) -> tuple:
+    gen = torch.Generator(device=outputs[0].device).manual_seed(seed)
+    return tuple(torch.randn(t.shape, generator=gen, device=t.device, dtype=t.dtype) for t in outputs)
+
+
+def implementations(baselines: list[str], host_offsets: bool = True, backend: str = "tilelang") -> dict:
+    """name -> f(inputs) returning (o, final_state or None); ours first (through `backend`). Each
+    calls its library's public op with the inputs' state and L2-norm flags."""
     from flashqla import chunk_gated_delta_rule as ours_op
 
     def host_copy(x):
         return x["cu_seqlens_cpu"] if host_offsets else None
 
+    def flags(x):
+        return dict(initial_state=x["initial_state"], output_final_state=x["output_final_state"],
+                    use_qk_l2norm_in_kernel=x["use_qk_l2norm_in_kernel"])
+
     def ours(x):
-        return ours_op(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"],
-                       output_final_state=True, cu_seqlens=x["cu_seqlens"], cu_seqlens_cpu=host_copy(x),
-                       backend="tilelang")
+        return ours_op(x["q"], x["k"], x["v"], x["g"], x["beta"], **flags(x), cu_seqlens=x["cu_seqlens"],
+                       cu_seqlens_cpu=host_copy(x), backend=backend)
 
     impls = {"ours": ours}
     if "fla" in baselines:
@@ -100,8 +137,8 @@ def implementations(baselines: list[str], host_offsets: bool = True) -> dict:
             print("fla-core not installed: FLA column skipped")
         else:
             def fla(x):
-                return fla_op(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"],
-                              output_final_state=True, cu_seqlens=x["cu_seqlens_long"], cu_seqlens_cpu=host_copy(x))
+                return fla_op(x["q"], x["k"], x["v"], x["g"], x["beta"], **flags(x), cu_seqlens=x["cu_seqlens_long"],
+                              cu_seqlens_cpu=host_copy(x))
             impls["fla"] = fla
     if "flashqla" in baselines:
         try:
@@ -110,8 +147,7 @@ def implementations(baselines: list[str], host_offsets: bool = True) -> dict:
             print("flash-qla not installed: FlashQLA column skipped")
         else:
             def flashqla(x):
-                return flashqla_op(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"],
-                                   output_final_state=True, cu_seqlens=x["cu_seqlens_long"])
+                return flashqla_op(x["q"], x["k"], x["v"], x["g"], x["beta"], **flags(x), cu_seqlens=x["cu_seqlens_long"])
             impls["flashqla"] = flashqla
     return impls
 
@@ -157,11 +193,11 @@ def forward_breakdown(inputs: dict, rep_ms: int) -> dict:
 
 def first_call_s(fn, inputs) -> float:
     """Wall seconds of one forward + backward, compiles included when they have not happened yet."""
-    leaves = {name: inputs[name].detach().requires_grad_(True) for name in DIFFERENTIABLE_INPUTS}
+    leaves = _leaves(inputs)
     torch.cuda.synchronize()
     started = time.perf_counter()
-    o, final_state = fn(dict(inputs, **leaves))
-    torch.autograd.backward((o, final_state), (torch.ones_like(o), torch.ones_like(final_state)))
+    outputs = _differentiated(*fn(dict(inputs, **leaves)))
+    torch.autograd.backward(outputs, _output_grads_for(outputs))
     torch.cuda.synchronize()
     return time.perf_counter() - started
 
@@ -172,12 +208,20 @@ def distance_from(reference, fn, inputs) -> dict:
 
     with torch.no_grad():
         o, state = fn(inputs)
-    return {"o": float(relative_error(o, reference[0])), "final_state": float(relative_error(state, reference[1]))}
+    distances = {"o": float(relative_error(o, reference[0]))}
+    if state is not None:
+        distances["final_state"] = float(relative_error(state, reference[1]))
+    return distances
 
 
 def time_forward(fn, inputs, rep_ms: int) -> float:
+    """The forward alone: under no_grad, or for the model's inputs under autograd, as training runs it
+    (the op then keeps what its backward needs)."""
     from triton.testing import do_bench
 
+    if inputs["use_qk_l2norm_in_kernel"]:
+        x = dict(inputs, **_leaves(inputs))
+        return do_bench(lambda: fn(x), warmup=max(rep_ms // 4, 10), rep=rep_ms, return_mode="median")
     with torch.no_grad():
         return do_bench(lambda: fn(inputs), warmup=max(rep_ms // 4, 10), rep=rep_ms, return_mode="median")
 
@@ -185,14 +229,12 @@ def time_forward(fn, inputs, rep_ms: int) -> float:
 def time_backward(fn, inputs, rep_ms: int, forward_ms: float) -> float:
     from triton.testing import do_bench
 
-    leaves = {name: inputs[name].detach().requires_grad_(True) for name in DIFFERENTIABLE_INPUTS}
+    leaves = _leaves(inputs)
     x = dict(inputs, **leaves)
-    o, final_state = fn(x)
-    d_o, d_state = torch.randn_like(o), torch.randn_like(final_state)
+    output_grads = _output_grads_for(_differentiated(*fn(x)))
 
     def step():
-        out, state = fn(x)
-        torch.autograd.backward((out, state), (d_o, d_state))
+        torch.autograd.backward(_differentiated(*fn(x)), output_grads)
 
     total = do_bench(step, warmup=max(rep_ms // 4, 10), rep=rep_ms, return_mode="median",
                      grad_to_none=list(leaves.values()))
@@ -332,6 +374,9 @@ def main(argv=None) -> None:
     parser.add_argument("--warm-only", action="store_true",
                         help="only make each library's first call per shape (compiles, autotuning) and print how long "
                              "it took; several such processes can fill the compile caches in parallel before a timed run")
+    parser.add_argument("--model", action="store_true",
+                        help="the op as the model calls it (unnormalised q, k with the in-kernel L2 norm, bf16 beta, no "
+                             "initial or final state, the forward under autograd) on the model's head layouts")
     parser.add_argument("--compare", nargs="?", const=",".join(COMPARISONS), default=None,
                         help=f"comma-separated, default all: {', '.join(COMPARISONS)}; times these kernel variants "
                              "side by side instead of the libraries")
@@ -349,9 +394,12 @@ def main(argv=None) -> None:
     do_forward = args.fwd or not args.bwd
     impls = implementations([b for b in args.baselines.split(",") if b], args.host_offsets)
     wanted = [s for s in args.shapes.split(",") if s]
-    shapes = [s for s in bench_shapes() if not wanted or any(w in s[0] for w in wanted)]
+    candidates = MODEL_SHAPES if args.model else bench_shapes()
+    shapes = [s for s in candidates if not wanted or any(w in s[0] for w in wanted)]
     if not shapes:
-        raise SystemExit(f"--shapes {args.shapes!r} matches none of: {', '.join(s[0] for s in bench_shapes())}")
+        raise SystemExit(f"--shapes {args.shapes!r} matches none of: {', '.join(s[0] for s in candidates)}")
+    if args.model and args.breakdown:
+        raise SystemExit("--breakdown times the forward's stages on the anchors' inputs; leave out --model")
 
     results, skipped, slowest_shape_s = [], [], 0.0
     for name, heads, seq_lens in shapes:
@@ -360,8 +408,9 @@ def main(argv=None) -> None:
             skipped.append(name)
             continue
         shape_started = time.perf_counter()
-        inputs = make_inputs(heads, seq_lens)
-        row = {"shape": name, "heads": list(heads), "seq_lens": seq_lens, "first_call_s": {}}
+        inputs = make_inputs(heads, seq_lens, like_the_model=args.model)
+        row = {"shape": name, "heads": list(heads), "seq_lens": seq_lens, "like_the_model": args.model,
+               "first_call_s": {}}
         for impl_name, fn in impls.items():
             try:
                 row["first_call_s"][impl_name] = first_call_s(fn, inputs)
@@ -439,7 +488,8 @@ def format_row(row: dict, impls: dict) -> str:
     if row.get("first_call_s"):
         parts.append("first call " + " ".join(f"{n}={t:.1f}s" for n, t in row["first_call_s"].items()))
     for impl_name, distance in row.get("distance_from_fla", {}).items():
-        parts.append(f"{impl_name} vs fla o {distance['o']:.1e} state {distance['final_state']:.1e}")
+        state = f" state {distance['final_state']:.1e}" if "final_state" in distance else ""
+        parts.append(f"{impl_name} vs fla o {distance['o']:.1e}{state}")
     if "ours_breakdown_ms" in row:
         parts.append("stages " + " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
                                           for k, v in row["ours_breakdown_ms"].items()))

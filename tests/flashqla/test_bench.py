@@ -1,0 +1,31 @@
+"""The bench's plumbing on CPU (the timings themselves need a GPU): its inputs, as the anchors and
+as the model make them, reach the op with the right flags, and their backward runs."""
+import pytest
+import torch
+
+from flashqla.bench import (MODEL_SHAPES, _differentiated, _leaves, _output_grads_for, bench_shapes,
+                            implementations, make_inputs)
+
+
+@pytest.mark.parametrize("like_the_model", [False, True], ids=["anchors", "model"])
+def test_inputs_reach_the_op_and_differentiate(like_the_model):
+    inputs = make_inputs((2, 4), [40, 0, 25], like_the_model=like_the_model, device="cpu")
+    assert inputs["use_qk_l2norm_in_kernel"] is like_the_model
+    assert (inputs["initial_state"] is None) is like_the_model and inputs["output_final_state"] is not like_the_model
+    assert inputs["beta"].dtype == (torch.bfloat16 if like_the_model else torch.float32)
+    norms = inputs["q"].float().norm(dim=-1)
+    assert torch.allclose(norms, torch.ones_like(norms), atol=1e-2) is not like_the_model  # the model normalises in the op
+    ours = implementations([], backend="torch")["ours"]
+    leaves = _leaves(inputs)
+    assert set(leaves) == {"q", "k", "v", "g", "beta"} | (set() if like_the_model else {"initial_state"})
+    o, final_state = ours(dict(inputs, **leaves))
+    assert (final_state is None) is like_the_model
+    outputs = _differentiated(o, final_state)
+    torch.autograd.backward(outputs, _output_grads_for(outputs))
+    assert all(leaf.grad is not None and torch.isfinite(leaf.grad).all() for leaf in leaves.values())
+
+
+def test_the_model_layouts_are_in_the_bench():
+    names = [name for name, _, _ in bench_shapes()]
+    assert "16/16 1x131072" in names and "8/8 1x131072" in names
+    assert [name for name, _, _ in MODEL_SHAPES] == ["16/16 1x32768", "16/16 1x131072", "8/8 1x131072"]
