@@ -4,9 +4,9 @@ forward and forward + backward, side by side in one process:
     python -m benchmarks.attention_backends [--size 0.8B] [--tokens 8192,32768,131072] [--docs 1,8]
 
 Backends: SDPA's cuDNN, FlashAttention and memory-efficient kernels for one document; for packed
-documents cuDNN's SDPA once per document against `varlen_attn` (FlashAttention over the pack); and
-cuDNN's ragged attention over the whole pack in one call (`cudnn_ragged`; with other document
-lengths on every call: `cudnn_ragged_new_lengths`, whose output is not comparable). Prints per shape each backend's milliseconds and its ratio to cuDNN, and each
+documents cuDNN's SDPA once per document against `varlen_attn` (FlashAttention over the pack).
+(cuDNN's ragged op, `aten._cudnn_attention_forward` with offsets, measured exact but 10-100x slower
+and failing at 131072 tokens on the H200: docs/performance.md, 2026-12-01 fifth session.) Prints per shape each backend's milliseconds and its ratio to cuDNN, and each
 output's largest difference from cuDNN's. Appends JSON lines to $OUT/attention.jsonl when OUT is set.
 """
 from __future__ import annotations
@@ -44,32 +44,6 @@ def _cudnn_per_document(q, k, v, documents):
                      dim=1)
 
 
-def _cudnn_ragged(q, k, v, documents):
-    """cuDNN's attention over the pack in one call (the op torch's nested-tensor SDPA calls), KV heads
-    repeated to the query heads."""
-    groups = q.shape[2] // k.shape[2]
-    q, k, v = q[0], k[0].repeat_interleave(groups, dim=1), v[0].repeat_interleave(groups, dim=1)
-    cu = documents.cu_seqlens
-    out = torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu, cu, documents.max_seqlen, documents.max_seqlen,
-                                                  True, 0.0, True, False, scale=q.shape[-1] ** -0.5)[0]
-    return out.unsqueeze(0)
-
-
-class _NewLengthsEachCall:
-    """cuDNN ragged with other document lengths on every call (the same token count): what a
-    training run sees, where a cuDNN graph cache keyed by lengths would miss every step."""
-
-    def __init__(self, tokens, docs):
-        self.tokens, self.docs, self.calls = tokens, docs, 0
-
-    def __call__(self, q, k, v, documents):
-        self.calls += 1
-        gen = torch.Generator().manual_seed(self.calls)
-        cuts = torch.sort(torch.randint(1, self.tokens, (self.docs - 1,), generator=gen)).values
-        bounds = torch.cat([torch.zeros(1, dtype=torch.long), cuts, torch.tensor([self.tokens])])
-        return _cudnn_ragged(q, k, v, DocumentLayout.build(bounds, "cuda"))
-
-
 def _varlen(q, k, v, documents):
     cu = documents.cu_seqlens
     return _varlen_causal(q[0], k[0], v[0], cu, documents.max_seqlen, q.shape[-1] ** -0.5).unsqueeze(0)
@@ -103,18 +77,13 @@ def main(argv=None) -> None:
             k = torch.randn(1, tokens, kv_heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
             v = torch.randn(1, tokens, kv_heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
             documents = None
-            bounds = torch.linspace(0, tokens, docs + 1).long()
-            layout = DocumentLayout.build(bounds, "cuda")
             if docs == 1:
                 candidates = {name: _sdpa(name) for name in SDPA_BACKENDS}
             else:
-                documents = layout
+                documents = DocumentLayout.build(torch.linspace(0, tokens, docs + 1).long(), "cuda")
                 candidates = {"cudnn_per_document": _cudnn_per_document}
                 if _varlen_attn is not None:
                     candidates["varlen"] = _varlen
-            candidates["cudnn_ragged"] = lambda q, k, v, _: _cudnn_ragged(q, k, v, layout)
-            if docs > 1:
-                candidates["cudnn_ragged_new_lengths"] = _NewLengthsEachCall(tokens, docs)
             results, reference = {}, None
             for name, run in candidates.items():
                 leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
