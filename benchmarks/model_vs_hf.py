@@ -1,10 +1,12 @@
 """Step time and peak memory of one forward+backward of ours against HF's Qwen3_5ForCausalLM.
 
-    python -m benchmarks.model_vs_hf '[{"size": "0.8B", "tokens": 32768, "docs": 4, "backend": "fla"},
-                                        {"impl": "hf", "size": "0.8B", "tokens": 16384}]'
+    python -m benchmarks.model_vs_hf '[{"size": "0.8B", "tokens": 16384, "backend": "tilelang"},
+                                        {"impl": "hf", "size": "0.8B", "tokens": 16384},
+                                        {"impl": "hf", "size": "0.8B", "tokens": 16384, "hf_gdn": "flashqla"}]'
 
 A case: impl ("ours" | "hf"), size (a named size), tokens, docs (equal documents packed with
-cu_seqlens; HF gets one unpacked sequence), backend (GDN), ckpt (activation checkpointing),
+cu_seqlens; HF gets one unpacked sequence), backend (our GDN backend), hf_gdn (HF's GDN op: "fla",
+FLA's own kernels, or "flashqla", FLA handing the call to FlashQLA), ckpt (activation checkpointing),
 steps, profile (N > 0: one more step under torch.profiler; its N costliest GPU kernels and host
 ops are printed). Random bf16 weights on the current CUDA device; each result is printed and appended as a
 JSON line to $OUT/bench.jsonl when OUT is set, and at the end every case's step time and peak memory
@@ -14,6 +16,7 @@ Run from the repository root.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import inspect
 import json
@@ -43,8 +46,38 @@ def build(impl: str, config: QwenHybridConfig, ckpt: bool) -> torch.nn.Module:
     return model.train()
 
 
-def measure(impl="ours", size="0.8B", tokens=32768, docs=1, backend="auto", ckpt=False, steps=3, profile=0) -> dict:
+HF_GDN = ("fla", "flashqla")
+
+
+@contextlib.contextmanager
+def _fla_hands_to_flashqla(hf_gdn: str):
+    """fla-core 0.6 hands its public op to FlashQLA when flash_qla imports, unless FLA_FLASH_QLA=0
+    (read on every call): set for the case, restored after. Only this script writes it."""
+    previous = os.environ.get("FLA_FLASH_QLA")
+    os.environ["FLA_FLASH_QLA"] = "1" if hf_gdn == "flashqla" else "0"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("FLA_FLASH_QLA")
+        else:
+            os.environ["FLA_FLASH_QLA"] = previous
+
+
+def measure(impl="ours", size="0.8B", tokens=32768, docs=1, backend="auto", ckpt=False, steps=3, profile=0,
+            hf_gdn="fla") -> dict:
+    if hf_gdn not in HF_GDN:
+        raise ValueError(f"hf_gdn must be one of {HF_GDN}, got {hf_gdn!r}")
+    if impl == "hf":
+        with _fla_hands_to_flashqla(hf_gdn):
+            return _measure(impl, size, tokens, docs, backend, ckpt, steps, profile, hf_gdn)
+    return _measure(impl, size, tokens, docs, backend, ckpt, steps, profile, None)
+
+
+def _measure(impl, size, tokens, docs, backend, ckpt, steps, profile, hf_gdn) -> dict:
     case = dict(impl=impl, size=size, tokens=tokens, docs=docs, backend=backend, ckpt=bool(ckpt))
+    if hf_gdn is not None:
+        case["hf_gdn"] = hf_gdn
     config = QwenHybridConfig.named(size, gdn_backend=backend)
     torch.manual_seed(0)
     model = build(impl, config, bool(ckpt))
@@ -162,7 +195,8 @@ def comparison_lines(results: list[dict]) -> list[str]:
 
 
 def _case_name(result: dict) -> str:
-    return f"{result['impl']} {result['size']} {result['tokens']} tokens, backend {result['backend']}"
+    gdn = f"GDN by {result['hf_gdn']}" if "hf_gdn" in result else f"backend {result['backend']}"
+    return f"{result['impl']} {result['size']} {result['tokens']} tokens, {gdn}"
 
 
 if __name__ == "__main__":

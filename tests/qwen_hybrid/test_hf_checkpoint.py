@@ -318,11 +318,28 @@ def test_model_vs_hf_prints_each_case_against_the_first():
     from benchmarks.model_vs_hf import comparison_lines
 
     case = dict(size="0.8B", tokens=16384, backend="auto")
-    results = [dict(case, impl="ours", step_ms=400.0, peak_gib=35.0), dict(case, impl="hf", step_ms=480.0, peak_gib=91.0),
-               dict(case, impl="hf", tokens=32768, error="out of memory: 30 GiB")]
+    results = [dict(case, impl="ours", step_ms=400.0, peak_gib=35.0),
+               dict(case, impl="hf", hf_gdn="fla", step_ms=480.0, peak_gib=91.0),
+               dict(case, impl="hf", hf_gdn="flashqla", tokens=32768, error="out of memory: 30 GiB")]
     assert comparison_lines(results) == [
         "against case 1 (ours 0.8B 16384 tokens, backend auto: 400.0 ms, 35.0 GiB):",
-        "  case 2 (hf 0.8B 16384 tokens, backend auto): step 1.20x, peak memory 2.60x",
-        "  case 3 (hf 0.8B 32768 tokens, backend auto): out of memory: 30 GiB",
+        "  case 2 (hf 0.8B 16384 tokens, GDN by fla): step 1.20x, peak memory 2.60x",
+        "  case 3 (hf 0.8B 32768 tokens, GDN by flashqla): out of memory: 30 GiB",
     ]
     assert comparison_lines(results[:1]) == []
+
+
+def test_model_vs_hf_sets_flas_handover_for_the_case_only(monkeypatch):
+    import os
+
+    from benchmarks import model_vs_hf
+
+    seen = []
+    monkeypatch.setattr(model_vs_hf, "_measure", lambda *args: seen.append(os.environ.get("FLA_FLASH_QLA")) or {})
+    monkeypatch.delenv("FLA_FLASH_QLA", raising=False)
+    model_vs_hf.measure(impl="hf", hf_gdn="flashqla")
+    model_vs_hf.measure(impl="hf")
+    model_vs_hf.measure(impl="ours")
+    assert seen == ["1", "0", None] and "FLA_FLASH_QLA" not in os.environ
+    with pytest.raises(ValueError, match="hf_gdn must be one of"):
+        model_vs_hf.measure(impl="hf", hf_gdn="triton")
