@@ -52,9 +52,10 @@ _COMPILE_ON_CUDA = os.environ.get("QWEN_HYBRID_COMPILE", "1") != "0"
 def fused(function):
     """function, compiled by torch.compile when its first argument is a CUDA tensor: one fused
     kernel per chain instead of one pass per elementwise op. Shapes are static at first (a row
-    length known at compile time makes inductor's reductions several times faster than symbolic
-    ones, measured on the H200), and a dim that changes between calls turns symbolic on its first
-    change (torch's automatic dynamic shapes), so a run compiles each chain once or twice. Eager
+    length known at compile time makes inductor's reductions and index arithmetic much cheaper
+    than symbolic ones: docs/performance.md), and a dim that changes between calls turns
+    symbolic on its first change (torch's automatic dynamic shapes), so a run compiles each
+    chain once or twice. Eager
     elsewhere, for float64 (torch 2.11's inductor emits Triton reductions that fail to compile
     for it, and float64 runs are reference checks), or everywhere with QWEN_HYBRID_COMPILE=0."""
     compiled = torch.compile(function)

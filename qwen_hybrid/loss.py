@@ -173,7 +173,7 @@ def _accumulate_chunk_grads(grad_logits, h, weight, grad_hidden, grad_weight, st
 def _adds_products_into_float32(device: torch.device) -> bool:
     """Whether torch.addmm adds a half-precision product into a float32 tensor in place here
     (out_dtype on CUDA): one matmul pass instead of a rounded product and a float32 add over the
-    whole V x H weight per chunk (16 ms a step at 32768 tokens, 0.8B, H200)."""
+    whole V x H weight per chunk (docs/performance.md has what the adds cost)."""
     if device.type != "cuda":
         return False
     try:
