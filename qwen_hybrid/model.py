@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from qwen_hybrid import checkpoint_io
-from qwen_hybrid.config import QwenHybridConfig
+from qwen_hybrid.config import GDN_BACKENDS, QwenHybridConfig
 from qwen_hybrid.layers import DecoderLayer, DocumentLayout, RMSNorm
 from qwen_hybrid.loss import DEFAULT_CHUNK_SIZE, IGNORE_INDEX, chunked_cross_entropy
 
@@ -119,6 +119,16 @@ class QwenHybridForCausalLM(nn.Module):
             layer.checkpointed = bool(enabled) and index < checkpointed
             if layer.layer_type == "full_attention":
                 layer.self_attn.checkpoint_around_attention = layer.checkpointed and not recompute_attention
+
+    def set_gdn_backend(self, backend: str) -> None:
+        """Run the gated delta rule of every GDN layer on `backend` from the next forward on (the
+        config's gdn_backend; a benchmark alternating backends step by step calls this)."""
+        if backend not in GDN_BACKENDS:
+            raise ValueError(f"backend must be one of {GDN_BACKENDS}, got {backend!r}")
+        self.config.gdn_backend = backend
+        for layer in self.model.layers:
+            if layer.layer_type == "linear_attention":
+                layer.linear_attn.gated_delta_rule.backend = backend
 
     def forward(
         self,

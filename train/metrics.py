@@ -232,7 +232,7 @@ class StepInstruments:
         if bench_cfg.compare_backends:
             self.comparison = BackendComparison(list(bench_cfg.compare_backends), bench_cfg.warmup_steps)
         self.timer = KernelTimer(model, device) if bench_cfg.kernel_timing or self.comparison else None
-        self._gdn_modules = [m for m in model.modules() if isinstance(m, GatedDeltaRule)]
+        self.model = model
 
     def phase(self, name: str) -> None:
         """'fwd' or 'bwd': forwards run during 'bwd' are checkpoint recomputation."""
@@ -243,9 +243,7 @@ class StepInstruments:
     def step(self, step: int):
         """Times the step (device synchronized at both ends); yields its StepTiming."""
         if self.comparison is not None:
-            backend = self.comparison.backend_for_step(step)
-            for module in self._gdn_modules:
-                module.backend = backend
+            self.model.set_gdn_backend(self.comparison.backend_for_step(step))
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         timing = StepTiming()

@@ -476,3 +476,13 @@ def test_chunked_cross_entropy_on_cuda_matches_float64(needs):
         assert torch.isfinite(w.grad).all() and relative_error(w.grad, w64.grad) <= 1e-2
     else:
         assert w.grad is None
+
+
+def test_set_gdn_backend_reaches_every_gdn_layer_and_names_a_bad_one():
+    model = tiny_model()
+    model.set_gdn_backend("auto")
+    rules = [m for m in model.modules() if isinstance(m, GatedDeltaRule)]
+    assert len(rules) == 2 and all(rule.backend == "auto" for rule in rules) and model.config.gdn_backend == "auto"
+    with pytest.raises(ValueError, match=r"backend must be one of \('auto', 'tilelang', 'torch', 'fla'\), got 'triton'"):
+        model.set_gdn_backend("triton")
+    assert all(rule.backend == "auto" for rule in rules)
