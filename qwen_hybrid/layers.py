@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import os
 
 import torch
 import torch.nn.functional as F
@@ -46,9 +45,6 @@ def recompute_in_backward(function, *args):
     return function(*args)
 
 
-_COMPILE_ON_CUDA = os.environ.get("QWEN_HYBRID_COMPILE", "1") != "0"
-
-
 def fused(function):
     """function, compiled by torch.compile when its first argument is a CUDA tensor: one fused
     kernel per chain instead of one pass per elementwise op. Shapes are static at first (a row
@@ -56,12 +52,13 @@ def fused(function):
     than symbolic ones: docs/performance.md), and a dim that changes between calls turns
     symbolic on its first change (torch's automatic dynamic shapes), so a run compiles each
     chain once or twice. Eager
-    elsewhere, for float64 (torch 2.11's inductor emits Triton reductions that fail to compile
-    for it, and float64 runs are reference checks), or everywhere with QWEN_HYBRID_COMPILE=0."""
+    elsewhere and for float64 (torch 2.11's inductor emits Triton reductions that fail to compile
+    for it, and float64 runs are reference checks); torch's own TORCH_COMPILE_DISABLE=1 turns
+    compilation off everywhere."""
     compiled = torch.compile(function)
 
     def call(*args):
-        if _COMPILE_ON_CUDA and args[0].is_cuda and args[0].dtype != torch.float64:
+        if args[0].is_cuda and args[0].dtype != torch.float64:
             return compiled(*args)
         return function(*args)
 
