@@ -4,9 +4,10 @@
 #   launch/benchmark.sh 0.8B 131072 tilelang        # or fla, torch
 #   launch/benchmark.sh 0.8B 8192 tilelang,fla      # alternate backends step by step, log ratios
 #   TP=2 launch/benchmark.sh 0.8B 131072 tilelang   # tensor parallel over 2 GPUs (SP=1: sequence parallel too)
+#   TAG=nooverlap launch/benchmark.sh 0.8B 32768 tilelang +deepspeed.overrides.zero_optimization.overlap_comm=false
 # TP (default 1) ranks split each layer's heads; NUM_GPUS (default TP) processes start, by torchrun
 # when more than one, so NUM_GPUS / TP ranks are data parallel. Extra arguments are Hydra overrides.
-# Writes $RUNS/<size>-<tokens>-<backend>[-tp<TP>[sp]][-<N>gpu]/metrics.jsonl (its last line is the
+# Writes $RUNS/<size>-<tokens>-<backend>[-tp<TP>[sp]][-<N>gpu][-<TAG>]/metrics.jsonl (its last line is the
 # run summary) and copies it, with any profile-stepN.txt (benchmark.profile_step=N), to $OUT when set.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,6 +30,7 @@ fi
 if [ "$NUM_GPUS" -ne "$TP" ]; then
     NAME=$NAME-${NUM_GPUS}gpu
 fi
+NAME=$NAME${TAG:+-$TAG}   # TAG: tells apart runs of one size, length and backend with other overrides
 RUN_DIR=${RUNS:-runs/benchmark}/$NAME
 PYTHON=${PYTHON:-python3}
 if [ "$NUM_GPUS" -gt 1 ]; then

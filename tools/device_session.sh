@@ -21,6 +21,11 @@
 #   loss-curves         20 steps at 8192 tokens of this tree and of baseline/ (a git archive of an older commit), losses side by side
 #   train-32k           launch/benchmark.sh 0.8B 32768 tilelang (train-32k-compare: tilelang,fla)
 #   train-256k          launch/benchmark.sh 0.8B 262144 tilelang
+#   idle                32768 tokens: profiled, without DeepSpeed's overlap_comm, with ZeRO-1; 8192 profiled
+#   timing-cost         32768 tokens with kernel timing on and off
+#   checkpoint-layers   131072 tokens with train.checkpoint_layers=16
+#   model-bench         python -m flashqla.bench --model --fwd --bwd (ours / FLA / FlashQLA as the model calls the op)
+#   model-vs-hf         python -m benchmarks.model_vs_hf: ours, HF + FLA, HF + FlashQLA at 16384 tokens
 #   train-8k            launch/benchmark.sh 0.8B 8192 tilelang,fla
 #   train-128k-tilelang launch/benchmark.sh 0.8B 131072 tilelang
 #   train-128k-fla      launch/benchmark.sh 0.8B 131072 fla
@@ -85,10 +90,12 @@ step() {
     return $rc
 }
 
-train_run() {  # train_run NAME SIZE TOKENS BACKENDS: metrics land in $LOGS via benchmark.sh's $OUT
+train_run() {  # train_run NAME SIZE TOKENS BACKENDS [OVERRIDES...]: metrics land in $LOGS via benchmark.sh's $OUT
+    # TRAIN_MIN_S (default 150): skip the run when less than this is left of the budget
     local name=$1
     shift
-    step "$name" "${TRAIN_TIMEOUT_S:-240}" 150 env OUT="$LOGS" launch/benchmark.sh "$@" ${TRAIN_OVERRIDES:-}
+    step "$name" "${TRAIN_TIMEOUT_S:-240}" "${TRAIN_MIN_S:-150}" env OUT="$LOGS" TAG="${TAG:-}" \
+        launch/benchmark.sh "$@" ${TRAIN_OVERRIDES:-}
 }
 
 run_part() {
@@ -161,6 +168,31 @@ for step in sorted(losses[0]):
 print("max |difference|", max(abs(losses[0][s] - losses[1][s]) for s in losses[0] if s in losses[1]))' \
             "$LOGS/curve-current.jsonl" "$LOGS/curve-baseline.jsonl"
         ;;
+    idle)
+        # what idles the GPU between kernels at 32768 tokens: the profile, then DeepSpeed without its
+        # per-bucket device synchronisation (overlap_comm), and ZeRO-1 (STEPS=6 is plenty)
+        TAG=profile train_run idle-profile 0.8B 32768 tilelang benchmark.kernel_timing=false benchmark.profile_step=4
+        TAG=nooverlap train_run idle-nooverlap 0.8B 32768 tilelang benchmark.kernel_timing=false \
+            +deepspeed.overrides.zero_optimization.overlap_comm=false
+        TAG=zero1 train_run idle-zero1 0.8B 32768 tilelang benchmark.kernel_timing=false deepspeed=zero1
+        TAG=8k-profile train_run idle-8k-profile 0.8B 8192 tilelang benchmark.kernel_timing=false benchmark.profile_step=4
+        ;;
+    timing-cost)
+        TAG=timing-on train_run timing-on 0.8B 32768 tilelang benchmark.kernel_timing=true
+        TAG=timing-off train_run timing-off 0.8B 32768 tilelang benchmark.kernel_timing=false
+        ;;
+    checkpoint-layers)
+        TAG=ckpt16 train_run ckpt16-128k 0.8B 131072 tilelang benchmark.kernel_timing=false train.checkpoint_layers=16
+        ;;
+    model-bench)
+        step model-bench 300 60 "$PYTHON" -m flashqla.bench --model --fwd --bwd --baselines fla,flashqla \
+            --json "$OUT/model-bench.json"
+        ;;
+    model-vs-hf)
+        step model-vs-hf 300 60 env OUT="$OUT" "$PYTHON" -m benchmarks.model_vs_hf \
+            '[{"size": "0.8B", "tokens": 16384, "backend": "tilelang"}, {"impl": "hf", "size": "0.8B", "tokens": 16384},
+              {"impl": "hf", "size": "0.8B", "tokens": 16384, "hf_gdn": "flashqla"}]'
+        ;;
     train-32k) train_run train-0.8B-32k-tilelang 0.8B 32768 tilelang ;;
     train-32k-compare) train_run train-0.8B-32k-compare 0.8B 32768 tilelang,fla ;;
     train-256k) train_run train-0.8B-256k-tilelang 0.8B 262144 tilelang ;;
@@ -185,6 +217,7 @@ print("max |difference|", max(abs(losses[0][s] - losses[1][s]) for s in losses[0
     *)
         echo "unknown part '$1': tests, tests-model, unverified, compare, compare-conv, attention, bench, bench-warm, ncu," \
             "train-8k, train-32k, train-32k-compare, train-128k-tilelang, train-128k-fla, train-256k, train-2b, train," \
+            "idle, timing-cost, checkpoint-layers, model-bench, model-vs-hf," \
             "tp2, tp2-8k" >&2
         SUMMARY+=("$(printf '%-22s %-9s' "$1" "UNKNOWN")")
         ;;
