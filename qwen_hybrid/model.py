@@ -155,7 +155,7 @@ class QwenHybridForCausalLM(nn.Module):
         if cu_seqlens is not None:
             if not isinstance(cu_seqlens, torch.Tensor):
                 raise TypeError(f"cu_seqlens must be an integer torch.Tensor [N+1], got {type(cu_seqlens).__name__}")
-            cu_seqlens, cu_seqlens_cpu = _device_and_host_offsets(cu_seqlens, input_ids.device)
+            cu_seqlens_cpu = cu_seqlens.cpu()  # the forward's one device->host read (none from the CPU)
         _check_inputs(input_ids, cu_seqlens_cpu, position_ids, labels, targets, self.model.sequence_shards)
         hidden = self.model(input_ids, cu_seqlens, position_ids, cu_seqlens_cpu)
         if return_logits is None:
@@ -222,12 +222,6 @@ def _rotary_tables(position_ids: torch.Tensor, rotary_dim: int, theta: float):
     freqs = position_ids[..., None].float() * inv_freq
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
-
-
-def _device_and_host_offsets(cu_seqlens, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cu_seqlens on `device` and on the CPU. The host copy is the step's one device->host read
-    (free when cu_seqlens arrives on the CPU): the kernels plan their grids from it."""
-    return cu_seqlens.to(device, non_blocking=True), cu_seqlens.cpu()
 
 
 def _check_inputs(input_ids, cu_seqlens, position_ids, labels, targets=None, sequence_shards=1) -> None:
