@@ -217,11 +217,8 @@ def test_checkpointing_some_layers_gives_the_same_gradients_and_recomputes_only_
         model.set_activation_checkpointing(True, layers=5)
 
 
-def test_checkpointed_passes_make_the_same_keep_choice(monkeypatch):
-    """A non-reentrant checkpoint needs its recomputation to save exactly the tensors its first pass
-    saved: the GDN op must not keep its intermediates in one pass and not the other (an H200 run
-    with recompute_for_backward() around the first pass only failed with CheckpointError). The
-    choice is now the op's keep_for_backward argument: every pass must pass the same one."""
+def _record_keep_choices(monkeypatch) -> list[bool]:
+    """The keep_for_backward of every GDN op call the model makes from here on, in order."""
     import flashqla
     from qwen_hybrid import layers
 
@@ -233,6 +230,15 @@ def test_checkpointed_passes_make_the_same_keep_choice(monkeypatch):
         return op(*args, keep_for_backward=keep_for_backward, **kwargs)
 
     monkeypatch.setattr(layers.flashqla, "chunk_gated_delta_rule", recording_op)
+    return passes
+
+
+def test_checkpointed_passes_make_the_same_keep_choice(monkeypatch):
+    """A non-reentrant checkpoint needs its recomputation to save exactly the tensors its first pass
+    saved: the GDN op must not keep its intermediates in one pass and not the other (an H200 run
+    with recompute_for_backward() around the first pass only failed with CheckpointError). The
+    choice is now the op's keep_for_backward argument: every pass must pass the same one."""
+    passes = _record_keep_choices(monkeypatch)
     model = tiny_model(seed=5)
     model.set_activation_checkpointing(True)
     ids = torch.randint(0, 512, (1, 20))
@@ -244,17 +250,7 @@ def test_checkpointed_passes_make_the_same_keep_choice(monkeypatch):
 
 @pytest.mark.parametrize("keep", [True, False])
 def test_gdn_keep_for_backward_reaches_the_op(monkeypatch, keep):
-    import flashqla
-    from qwen_hybrid import layers
-
-    op = flashqla.chunk_gated_delta_rule
-    passes = []
-
-    def recording_op(*args, keep_for_backward=True, **kwargs):
-        passes.append(keep_for_backward)
-        return op(*args, keep_for_backward=keep_for_backward, **kwargs)
-
-    monkeypatch.setattr(layers.flashqla, "chunk_gated_delta_rule", recording_op)
+    passes = _record_keep_choices(monkeypatch)
     model = tiny_model(seed=5, gdn_keep_for_backward=keep)
     ids = torch.randint(0, 512, (1, 12))
     model(ids, labels=ids).loss.backward()
