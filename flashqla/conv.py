@@ -55,10 +55,10 @@ def causal_conv1d_silu(x: torch.Tensor, weight: torch.Tensor, position_in_doc: t
         raise ValueError(f"position_in_doc must be [T={x.shape[1]}], got shape {tuple(position_in_doc.shape)}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    reason = kernel_unavailable_reason(x) if backend != "torch" else "not asked for"
+    reason = None if backend == "torch" else kernel_unavailable_reason(x)
     if backend == "tilelang" and reason is not None:
         raise ValueError(f"backend='tilelang' {reason}")
-    if reason is not None:
+    if backend == "torch" or reason is not None:
         return causal_conv1d_silu_torch(x, weight, position_in_doc)
     from flashqla.hopper.causal_conv import causal_conv1d_silu_hopper
 
