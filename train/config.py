@@ -175,18 +175,17 @@ def gdn_backends(cfg: DictConfig) -> list[tuple[str, str]]:
 
 
 def check_environment(cfg: DictConfig) -> None:
-    """What this machine must offer for the config: the GDN backends it names."""
+    """What this machine must offer for the config: the GDN and conv backends it names."""
     from flashqla.backends import backend_unavailable_reason
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    for key, backend in gdn_backends(cfg):
+    # (key, backend, the key whose "auto" would pick what runs here)
+    named = [(key, backend, "model.gdn_backend") for key, backend in gdn_backends(cfg)]
+    named.append(("model.conv_backend", cfg.model.conv_backend, "model.conv_backend"))
+    for key, backend, choice in named:
         reason = backend_unavailable_reason(backend, device)
         if reason is not None:
-            raise ConfigError(f"{key}={backend!r}: {reason} (model.gdn_backend=auto picks what runs here)")
-    if cfg.model.conv_backend == "tilelang":
-        reason = backend_unavailable_reason("tilelang", device)
-        if reason is not None:
-            raise ConfigError(f"model.conv_backend='tilelang': {reason} (model.conv_backend=auto picks what runs here)")
+            raise ConfigError(f"{key}={backend!r}: {reason} ({choice}=auto picks what runs here)")
 
 
 def check_parallel_layout(cfg: DictConfig, world_size: int) -> None:
