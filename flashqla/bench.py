@@ -3,7 +3,7 @@ and side-by-side timings of kernel variants (--compare).
 
     python -m flashqla.bench [--fwd] [--bwd] [--json PATH] [--shapes SUBSTR,...] [--baselines fla,flashqla]
                              [--time-budget SECONDS] [--breakdown] [--model]
-    python -m flashqla.bench --compare [backward_pieces,keep_forward,grouped_products,conv] [--json PATH]
+    python -m flashqla.bench --compare [keep_forward,grouped_products,conv] [--json PATH]
 
 Each library is called the way its users call it: ours through `flashqla.chunk_gated_delta_rule`
 (backend="tilelang", input checks included), FLA through its `chunk_gated_delta_rule` beneath
@@ -32,8 +32,6 @@ FLA_CACHE_RESULTS=0) and the timed run then autotunes alone with every kernel al
 
 --compare times what decides between kernel variants, each pair on the same inputs, and prints the
 ratios (timings live here, not in the GPU tests, so a busy machine cannot fail a correctness test):
-- backward_pieces: the backward with the state-gradient walk in pieces (`hopper.backward(...,
-  state_grads_in_pieces=True)`, reachable from here only) against the whole-sequence walk;
 - keep_forward: forward + backward through the public op, keep_for_backward=False against True;
 - grouped_products: the per-value-head gated products kernel against the grouped one at 4 and at
   3 CTAs per SM (MIN_BLOCKS_PER_SM, the default);
@@ -254,26 +252,6 @@ def _output_grads(inputs: dict, seed: int = 1):
     return do, dht
 
 
-def compare_backward_pieces(rep_ms: int):
-    """The backward entry with the state-gradient walk in the forward plan's pieces against the
-    whole-sequence walk. On the bench's inputs every head decays (a head that never decays walks
-    its whole sequence either way); the shapes are few heads on long sequences, where pieces help."""
-    from flashqla.hopper.backward import backward
-
-    for heads, lengths in (((16, 16), [131072]), ((2, 8), [131072]), ((16, 16), [32768])):
-        x = make_inputs(heads, lengths)
-        do, dht = _output_grads(x)
-        host = x["cu_seqlens_cpu"].tolist()
-
-        def run(pieces):
-            return backward(x["q"], x["k"], x["v"], x["g"], x["beta"], 128 ** -0.5, x["initial_state"],
-                            x["cu_seqlens"], do, dht, cu_seqlens_host=host, state_grads_in_pieces=pieces)
-
-        yield (f"{heads[0]}/{heads[1]} {'+'.join(map(str, lengths))}",
-               {"whole-sequence walk": _median_ms(lambda: run(False), rep_ms),
-                "walk in pieces": _median_ms(lambda: run(True), rep_ms)})
-
-
 def compare_keep_forward(rep_ms: int):
     """Forward + backward through the public op, recomputing the forward's intermediates in the
     backward (keep_for_backward=False) against keeping them (True, the default)."""
@@ -338,8 +316,7 @@ def compare_conv(rep_ms: int):
                {name: _median_ms(lambda: step(run), rep_ms, grad_to_none=[x, weight]) for name, run in variants.items()})
 
 
-COMPARISONS = {"backward_pieces": compare_backward_pieces, "keep_forward": compare_keep_forward,
-               "grouped_products": compare_grouped_products, "conv": compare_conv}
+COMPARISONS = {"keep_forward": compare_keep_forward, "grouped_products": compare_grouped_products, "conv": compare_conv}
 
 
 def run_comparisons(names: list[str], rep_ms: int, json_path: str | None) -> None:

@@ -5,9 +5,8 @@
 # Parts:
 #   tests               every GPU test of the suite but the unverified kernels' (pytest -m gpu; the 2-GPU test skips)
 #   unverified          the GPU tests of kernels not yet run on a GPU, which the public op cannot reach
-#                       (today the state-gradient walk in pieces, hopper.backward(state_grads_in_pieces=True))
-#   compare             python -m flashqla.bench --compare: kernel variants side by side (the walk in pieces,
-#                       kept forward tensors, grouped products), ratios printed, JSON
+#   compare             python -m flashqla.bench --compare: kernel variants side by side (kept forward
+#                       tensors, grouped products, conv; COMPARE=name,... picks), ratios printed, JSON
 #   bench               python -m flashqla.bench --fwd --bwd --breakdown, ours / FLA / FlashQLA, JSON
 #                       (SHAPES=substr,... filters shapes; BENCH_BUDGET seconds, default: what is left)
 #   bench-warm          one `flashqla.bench --warm-only --baselines fla` process per head layout of SHAPES
@@ -19,7 +18,9 @@
 #   compare-conv        python -m flashqla.bench --compare conv (the conv kernel against torch.compile)
 #   attention           python -m benchmarks.attention_backends (SDPA's kernels and varlen_attn; ATTENTION_ARGS)
 #   loss-curves         20 steps at 8192 tokens of this tree and of baseline/ (a git archive of an older commit), losses side by side
-#   train-32k           launch/benchmark.sh 0.8B 32768 tilelang (train-32k-compare: tilelang,fla)
+#   train-32k           launch/benchmark.sh 0.8B 32768 tilelang (train-32k-compare: tilelang,fla;
+#                       train-32k-compare-recompute: the same with model.gdn_keep_for_backward=false;
+#                       train-128k-compare: tilelang,fla at 131072)
 #   train-256k          launch/benchmark.sh 0.8B 262144 tilelang
 #   idle                32768 tokens: profiled, without DeepSpeed's overlap_comm, with ZeRO-1; 8192 profiled
 #   timing-cost         32768 tokens with kernel timing on and off
@@ -57,7 +58,7 @@ mkdir -p "$TRITON_CACHE_DIR"
 SUMMARY=()
 # Test files of kernels not yet run on a GPU (reachable only through internal arguments); once they
 # pass on the device, their file leaves this list and runs in `tests`.
-UNVERIFIED_TESTS=(tests/flashqla/test_hopper_backward_pieces.py)
+UNVERIFIED_TESTS=()
 
 left() { echo $((BUDGET_S - (SECONDS - STARTED))); }
 
@@ -115,7 +116,7 @@ run_part() {
             --timeout-method=thread "${UNVERIFIED_TESTS[@]}"
         ;;
     compare)
-        step compare 300 60 "$PYTHON" -m flashqla.bench --compare --json "$OUT/compare.json"
+        step compare 300 60 "$PYTHON" -m flashqla.bench --compare ${COMPARE:-} --json "$OUT/compare.json"
         ;;
     bench)
         local budget=${BENCH_BUDGET:-$(($(left) - 40))}
@@ -195,6 +196,9 @@ print("max |difference|", max(abs(losses[0][s] - losses[1][s]) for s in losses[0
         ;;
     train-32k) train_run train-0.8B-32k-tilelang 0.8B 32768 tilelang ;;
     train-32k-compare) train_run train-0.8B-32k-compare 0.8B 32768 tilelang,fla ;;
+    train-32k-compare-recompute)
+        TAG=recompute train_run train-0.8B-32k-compare-recompute 0.8B 32768 tilelang,fla model.gdn_keep_for_backward=false ;;
+    train-128k-compare) train_run train-0.8B-128k-compare 0.8B 131072 tilelang,fla ;;
     train-256k) train_run train-0.8B-256k-tilelang 0.8B 262144 tilelang ;;
     train-8k) train_run train-0.8B-8k-compare 0.8B 8192 tilelang,fla ;;
     train-128k-tilelang) train_run train-0.8B-128k-tilelang 0.8B 131072 tilelang ;;
@@ -216,7 +220,7 @@ print("max |difference|", max(abs(losses[0][s] - losses[1][s]) for s in losses[0
         ;;
     *)
         echo "unknown part '$1': tests, tests-model, unverified, compare, compare-conv, attention, bench, bench-warm, ncu," \
-            "train-8k, train-32k, train-32k-compare, train-128k-tilelang, train-128k-fla, train-256k, train-2b, train," \
+            "train-8k, train-32k, train-32k-compare, train-32k-compare-recompute, train-128k-compare, train-128k-tilelang, train-128k-fla, train-256k, train-2b, train," \
             "idle, timing-cost, checkpoint-layers, model-bench, model-vs-hf," \
             "tp2, tp2-8k" >&2
         SUMMARY+=("$(printf '%-22s %-9s' "$1" "UNKNOWN")")

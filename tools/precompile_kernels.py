@@ -66,8 +66,10 @@ def skip_kernel_launches() -> None:
     JITKernel.__call__ = lambda self, *args, **kwargs: None
 
 
-def cpu_inputs(heads: tuple[int, int], seq_lens: list[int], requires_grad: bool) -> dict:
-    """The bench's inputs (flashqla.bench.make_inputs) with the same shapes and dtypes, on CPU."""
+def cpu_inputs(heads: tuple[int, int], seq_lens: list[int], requires_grad: bool, like_the_model: bool = False) -> dict:
+    """The bench's inputs (flashqla.bench.make_inputs) with the same shapes and dtypes, on CPU.
+    like_the_model: as `make_inputs(like_the_model=True)`: bf16 beta, no initial or final state, the L2
+    norm in the kernel."""
     import torch
 
     num_qk_heads, num_v_heads = heads
@@ -80,14 +82,18 @@ def cpu_inputs(heads: tuple[int, int], seq_lens: list[int], requires_grad: bool)
         beta=torch.rand(1, total, num_v_heads),
         initial_state=torch.randn(len(seq_lens), num_v_heads, 128, 128),
     )
+    if like_the_model:
+        tensors["beta"] = tensors["beta"].to(torch.bfloat16)
+        del tensors["initial_state"]
     for tensor in tensors.values():
         tensor.requires_grad_(requires_grad)
     tensors["cu_seqlens"] = torch.tensor([0, *seq_lens]).cumsum(0)
     return tensors
 
 
-def compile_flashqla(shapes) -> None:
-    """Run FlashQLA's forward (no_grad) and forward + backward for each shape, kernels skipped."""
+def compile_flashqla(shapes, like_the_model: bool = False) -> None:
+    """Run FlashQLA's forward (no_grad) and forward + backward for each shape, kernels skipped.
+    like_the_model: forward + backward only, on the inputs the bench's --model mode passes."""
     import torch
     from tvm.target import Target
 
@@ -96,6 +102,13 @@ def compile_flashqla(shapes) -> None:
 
         for name, heads, seq_lens in shapes:
             started = time.time()
+            if like_the_model:
+                x = cpu_inputs(heads, seq_lens, requires_grad=True, like_the_model=True)
+                o, _ = flash_qla.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"],
+                                                        use_qk_l2norm_in_kernel=True, cu_seqlens=x["cu_seqlens"])
+                o.backward(torch.randn_like(o))
+                print(f"flashqla {name} as the model calls it: {time.time() - started:.0f} s", flush=True)
+                continue
             x = cpu_inputs(heads, seq_lens, requires_grad=False)
             with torch.no_grad():
                 flash_qla.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"],
@@ -136,9 +149,6 @@ def compile_ours(shapes, like_the_model: bool = False, with_initial_state: bool 
         # walk that stores the chunk states), and the backward that reads them
         _, _, kept = forward(q, k, v, x["g"], beta, None, h0, not like_the_model, cu, keep_for_backward=True)
         backward(q, k, v, x["g"], beta, 128 ** -0.5, h0, cu, torch.randn_like(v), d_state, kept=kept)
-        # the state-gradient walk in pieces, which the bench and its GPU tests ask for
-        backward(q, k, v, x["g"], beta, 128 ** -0.5, h0, cu, torch.randn_like(v), d_state, kept=kept,
-                 state_grads_in_pieces=True)
         variant = "as the model calls it" if like_the_model else f"{dtype_name}, h0={with_initial_state}"
         print(f"ours {name} ({variant}): {time.time() - started:.0f} s", flush=True)
 
@@ -261,6 +271,10 @@ def main(argv=None) -> None:
         compile_fla_tilelang(sorted({heads for _, heads, _ in shapes + model_shapes}))
     if not args.skip_flashqla:
         compile_flashqla(shapes)
+        if "model" in sets:  # flashqla.bench --model
+            from flashqla.bench import MODEL_SHAPES
+
+            compile_flashqla(MODEL_SHAPES, like_the_model=True)
     if args.out:
         out = Path(args.out).resolve()
         # setup.sh unpacks the tarball into /tmp and expects the folder tlcache. cuda-binaries (nvcc

@@ -1,13 +1,10 @@
-"""The state-gradient walk in pieces (`hopper.backward(..., state_grads_in_pieces=True)`, not yet run
-on a GPU, so the public op never asks for it): the walk runs in the forward plan's pieces, each CTA
-starting from a decay-truncated warm-up after its piece (chunk_plan.walk_ends), instead of one CTA
-per whole sequence.
+"""The state-gradient walk in pieces (`hopper.backward` on sequences the forward's plan cuts): each
+piece's CTA starts from a decay-truncated warm-up after its piece (chunk_plan.walk_ends) instead of
+one CTA walking the whole sequence.
 
-Run on an H200 with `pytest -m gpu` (tools/device_session.sh's `unverified` part). What decides:
-with the exact threshold (-inf) the pieces give bitwise the whole-sequence walk's state gradients;
+With the exact threshold (-inf) the pieces give bitwise the whole-sequence walk's state gradients;
 with the default threshold every gradient stays within the float64 tolerance on sequences the planner
-cuts (strong decay, heads that never decay, h0 on and off, several sequences), deterministic. Whether
-it is faster: `python -m flashqla.bench --compare backward_pieces`.
+cuts (strong decay, heads that never decay, h0 on and off, several sequences), deterministic.
 """
 import pytest
 import torch
@@ -24,12 +21,15 @@ CUT_CASES = {"2_8_32768": ((2, 8), [32768]), "2_8_28672+4096": ((2, 8), [28672, 
              "16_16_65536": ((16, 16), [65536])}
 
 
-def backward_with(inputs, do, dht, pieces: bool, kept=None):
+def backward_with(inputs, do, dht, exact: bool = False, kept=None):
+    """exact: pieces walk from their sequence end (threshold -inf), bitwise the whole-sequence walk."""
     from flashqla.hopper.backward import backward
+    from flashqla.hopper.common import DEFAULT_LOG_DECAY_THRESHOLD
 
     poison_allocator()  # NaN in every free block, so unwritten outputs show
     return backward(inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"], SCALE,
-                    inputs["initial_state"], inputs["cu_seqlens"], do, dht, kept=kept, state_grads_in_pieces=pieces)
+                    inputs["initial_state"], inputs["cu_seqlens"], do, dht, kept=kept,
+                    log_decay_threshold=float("-inf") if exact else DEFAULT_LOG_DECAY_THRESHOLD)
 
 
 def _plan_and_gamma(inputs):
@@ -73,7 +73,7 @@ def test_backward_in_pieces_matches_float64(case, with_initial_state):
     heads, lengths = CUT_CASES[case]
     inputs, do, dht = make_backward_inputs(lengths, *heads, with_initial_state, strong_decay=True)
     assert _plan_and_gamma(inputs)[0].walk_ahead_index is not None, "the planner did not cut this case"
-    ours = backward_with(inputs, do, dht, pieces=True)
+    ours = backward_with(inputs, do, dht)
     for name, grad in zip(GRAD_NAMES, ours):
         assert torch.isfinite(grad).all(), name
     assert_close_to_reference(ours, float64_gradients(inputs, do, dht))
@@ -83,9 +83,9 @@ def test_backward_in_pieces_stays_close_to_the_whole_walk_and_is_deterministic()
     from flashqla.testing import relative_error
 
     inputs, do, dht = make_backward_inputs([28672, 4096], 2, 8, True)
-    first = backward_with(inputs, do, dht, pieces=True)
-    second = backward_with(inputs, do, dht, pieces=True)
-    whole = backward_with(inputs, do, dht, pieces=False)
+    first = backward_with(inputs, do, dht)
+    second = backward_with(inputs, do, dht)
+    whole = backward_with(inputs, do, dht, exact=True)
     for name, a, b, w in zip(GRAD_NAMES, first, second, whole):
         assert torch.equal(a, b), name
         assert relative_error(a, w) <= TOLERANCE / 10, name
@@ -102,6 +102,6 @@ def test_kept_forward_with_pieces_matches_float64(case):
     args = [inputs[n] for n in ("q", "k", "v", "g", "beta")]
     poison_allocator()
     _, _, kept = forward(*args, SCALE, inputs["initial_state"], True, inputs["cu_seqlens"], keep_for_backward=True)
-    grads = backward_with(inputs, do, dht, pieces=True, kept=kept)
+    grads = backward_with(inputs, do, dht, kept=kept)
     assert all(torch.isfinite(grad).all() for grad in grads)
     assert_close_to_reference(grads, float64_gradients(inputs, do, dht))

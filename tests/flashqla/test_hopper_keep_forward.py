@@ -1,7 +1,9 @@
 """The forward keeps gamma, A~, Ab, P and the state entering every chunk (forward.KeptForward) and the
-backward recomputes none of them (the public op's default; keep_for_backward=False turns it off).
+backward recomputes none of them (the public op's default; with keep_for_backward=False the backward
+runs the forward again for them).
 
-Checked: the kept tensors agree with what the backward would recompute, and the gradients stay
+Checked: the kept tensors agree with what the separate kernels make (the products, the inverse, the
+state-only walk of chunk_states.py), and the gradients stay
 within the float64 tolerance on the grid (ragged, split sequences, strong decay, a head group too
 large for the grouped products kernel, float16, the public op under both kinds of checkpointing).
 How much faster it is: `python -m flashqla.bench --compare keep_forward`.
@@ -50,7 +52,7 @@ def test_kept_forward_gradients_match_float64(heads, lengths):
 
 
 @pytest.mark.parametrize("heads", [(16, 64), (2, 8)], ids=["16_64", "2_8"])
-def test_kept_tensors_match_the_backwards_recomputation(heads):
+def test_kept_tensors_match_the_separate_kernels(heads):
     from flashqla.hopper.chunk_plan import chunk_indices
     from flashqla.hopper.chunk_states import chunk_states
     from flashqla.hopper.cumsum import chunk_local_cumsum
