@@ -198,17 +198,13 @@ def check_parallel_layout(cfg: DictConfig, world_size: int) -> None:
         )
 
 
-def deepspeed_config(cfg: DictConfig, on_cuda: bool, world_size: int = 1) -> dict:
+def deepspeed_config(cfg: DictConfig, on_cuda: bool) -> dict:
     """The DeepSpeed config dict: one packed row per micro-batch; our own optimizer and schedule
-    unless the optimizer is offloaded (then DeepSpeed's CPU Adam).
-
-    overlap_comm only where ZeRO reduces over more than one rank: it synchronises the whole device
-    at every gradient bucket, and on one rank there is no communication to overlap."""
+    unless the optimizer is offloaded (then DeepSpeed's CPU Adam)."""
     train, ds = cfg.train, cfg.deepspeed
     zero: dict = {"stage": ds.zero_stage}
     if ds.zero_stage > 0:
-        reducing_ranks = world_size // cfg.parallel.tp  # ZeRO's group: data x context parallel
-        zero.update(overlap_comm=on_cuda and reducing_ranks > 1, contiguous_gradients=True)
+        zero.update(overlap_comm=on_cuda, contiguous_gradients=True)
     if ds.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": on_cuda}
     if ds.offload_param:

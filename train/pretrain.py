@@ -350,7 +350,7 @@ def build_engine(cfg: DictConfig, model: QwenHybridForCausalLM, device: torch.de
         lr_scheduler=lambda optimizer: warmup_cosine_scheduler(
             optimizer, train_cfg.warmup_steps, train_cfg.steps, train_cfg.min_lr_ratio
         ),
-        config=deepspeed_config(cfg, on_cuda=device.type == "cuda", world_size=dist.get_world_size()),
+        config=deepspeed_config(cfg, on_cuda=device.type == "cuda"),
         dist_init_required=False,
         # ZeRO partitions and averages over the ranks holding equal parameters (dp x cp); the gradient
         # norm counts each tensor-parallel shard once
