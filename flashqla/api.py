@@ -11,6 +11,14 @@ import torch
 
 from flashqla import backends
 
+# What the "tilelang" forward may keep for its backward: everything, all but the chunk states, nothing.
+KEEP_FOR_BACKWARD = (True, "products", False)
+
+
+def is_keep_for_backward(value) -> bool:
+    """Whether value is one of KEEP_FOR_BACKWARD (1 and 0 are not: they compare equal to True, False)."""
+    return isinstance(value, (bool, str)) and value in KEEP_FOR_BACKWARD
+
 
 def chunk_gated_delta_rule(
     q: torch.Tensor,
@@ -25,7 +33,7 @@ def chunk_gated_delta_rule(
     cu_seqlens: torch.Tensor | None = None,
     cu_seqlens_cpu: torch.Tensor | None = None,
     backend: str = "auto",
-    keep_for_backward: bool = True,
+    keep_for_backward: bool | str = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked gated delta rule (docs/gdn-math.md).
 
@@ -51,16 +59,20 @@ def chunk_gated_delta_rule(
             any device and dtype; "fla" fla-core's kernels, the baseline; "auto" the first of
             "tilelang", "torch" that takes the inputs (with a one-time warning when it passes
             over the kernels on a Hopper GPU).
-        keep_for_backward: when autograd will differentiate the call, let the "tilelang" backend
-            keep its forward's intermediates (gamma, the inverse, the gated products and the state
-            entering every 64-token chunk: about T * Hv * 900 bytes) so that the backward does not
-            recompute them. False keeps only the inputs, for a slower backward, where memory is
-            tighter than time. Under a non-reentrant checkpoint both passes see the same value,
-            so they save the same tensors. The other backends ignore it.
+        keep_for_backward: when autograd will differentiate the call, what the "tilelang" backend's
+            forward keeps for the backward beside the inputs (KEEP_FOR_BACKWARD): True its
+            intermediates, gamma, the inverse, the gated products and the state entering every
+            64-token chunk (about T * Hv * 900 bytes), so that the backward recomputes none of them;
+            "products" all but the chunk states (about T * Hv * 390 bytes), which the backward
+            then rebuilds by walking the chunks again; False nothing (the backward runs the forward
+            again), where memory is tighter than time. Under a non-reentrant checkpoint both passes
+            see the same value, so they save the same tensors. The other backends ignore it.
 
     Returns:
         `(o, final_state)`: o shaped and typed like v; final_state or None.
     """
+    if not is_keep_for_backward(keep_for_backward):
+        raise ValueError(f"keep_for_backward must be one of {KEEP_FOR_BACKWARD}, got {keep_for_backward!r}")
     cu_seqlens_host = check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu)
     chosen = backends.select(backend, q, v)
     if scale is None:

@@ -32,7 +32,7 @@ FLA_CACHE_RESULTS=0) and the timed run then autotunes alone with every kernel al
 
 --compare times what decides between kernel variants, each pair on the same inputs, and prints the
 ratios (timings live here, not in the GPU tests, so a busy machine cannot fail a correctness test):
-- keep_forward: forward + backward through the public op, keep_for_backward=False against True;
+- keep_forward: forward + backward through the public op, keep_for_backward=False, "products" and True;
 - grouped_products: the per-value-head gated products kernel against the grouped one at 4 and at
   3 CTAs per SM (MIN_BLOCKS_PER_SM, the default);
 - conv: the GDN layer's conv + SiLU, the TileLang kernel against torch.compile of its definition.
@@ -254,10 +254,11 @@ def _output_grads(inputs: dict, seed: int = 1):
 
 def compare_keep_forward(rep_ms: int):
     """Forward + backward through the public op, recomputing the forward's intermediates in the
-    backward (keep_for_backward=False) against keeping them (True, the default)."""
+    backward (keep_for_backward=False) against keeping all but the chunk states ("products") and
+    keeping them all (True, the default)."""
     from flashqla import chunk_gated_delta_rule
 
-    for heads in ((16, 64), (2, 8)):
+    for heads in ((16, 64), (16, 16), (2, 8)):
         x = make_inputs(heads, [32768])
         do, dht = _output_grads(x)
         leaves = [x[n].detach().requires_grad_(True) for n in DIFFERENTIABLE_INPUTS]
@@ -270,6 +271,7 @@ def compare_keep_forward(rep_ms: int):
 
         yield (f"{heads[0]}/{heads[1]} 32768",
                {"recomputed": _median_ms(lambda: step(False), rep_ms, grad_to_none=leaves),
+                "products kept": _median_ms(lambda: step("products"), rep_ms, grad_to_none=leaves),
                 "kept": _median_ms(lambda: step(True), rep_ms, grad_to_none=leaves)})
 
 

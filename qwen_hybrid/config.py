@@ -4,6 +4,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from flashqla.api import KEEP_FOR_BACKWARD as GDN_KEEP_FOR_BACKWARD, is_keep_for_backward
+
 LAYER_TYPES = ("linear_attention", "full_attention")
 GDN_BACKENDS = ("auto", "tilelang", "torch", "fla")
 CONV_BACKENDS = ("auto", "tilelang", "torch")  # flashqla.conv
@@ -46,7 +48,7 @@ class QwenHybridConfig:
     # ours, not HF's: which implementations the GDN layers call for the gated delta rule and the conv
     gdn_backend: str = "auto"
     conv_backend: str = "auto"
-    gdn_keep_for_backward: bool = True  # flashqla.chunk_gated_delta_rule's keep_for_backward
+    gdn_keep_for_backward: bool | str = True  # flashqla.chunk_gated_delta_rule's keep_for_backward
 
     def __post_init__(self) -> None:
         if self.layer_types is None:
@@ -101,8 +103,9 @@ class QwenHybridConfig:
             raise ValueError(f"gdn_backend must be one of {GDN_BACKENDS}, got {self.gdn_backend!r}")
         if self.conv_backend not in CONV_BACKENDS:
             raise ValueError(f"conv_backend must be one of {CONV_BACKENDS}, got {self.conv_backend!r}")
-        if not isinstance(self.gdn_keep_for_backward, bool):
-            raise ValueError(f"gdn_keep_for_backward must be true or false, got {self.gdn_keep_for_backward!r}")
+        if not is_keep_for_backward(self.gdn_keep_for_backward):
+            raise ValueError(f"gdn_keep_for_backward must be one of {GDN_KEEP_FOR_BACKWARD}, "
+                             f"got {self.gdn_keep_for_backward!r}")
 
     @property
     def rotary_dim(self) -> int:

@@ -184,7 +184,7 @@ class CausalConv1d(nn.Module):
 class GatedDeltaRule(nn.Module):
     """Parameter-free wrapper of `flashqla.chunk_gated_delta_rule` (a hook point for timing)."""
 
-    def __init__(self, backend: str = "auto", keep_for_backward: bool = True):
+    def __init__(self, backend: str = "auto", keep_for_backward: bool | str = True):
         super().__init__()
         self.backend = backend
         self.keep_for_backward = keep_for_backward
@@ -221,7 +221,7 @@ class GatedDeltaNet(nn.Module):
         eps: float = 1e-6,
         backend: str = "auto",
         conv_backend: str = "auto",
-        keep_for_backward: bool = True,
+        keep_for_backward: bool | str = True,
     ):
         super().__init__()
         if num_v_heads % num_k_heads != 0:

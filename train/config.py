@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from qwen_hybrid.config import CONV_BACKENDS, GDN_BACKENDS, NAMED_SIZES
+from flashqla.api import is_keep_for_backward
+from qwen_hybrid.config import CONV_BACKENDS, GDN_BACKENDS, GDN_KEEP_FOR_BACKWARD, NAMED_SIZES
 
 PRECISIONS = ("bf16", "fp32")
 LOGGER_MODES = ("online", "offline", "disabled")
@@ -53,7 +54,9 @@ def validate_config(cfg: DictConfig) -> None:
     _choice("model.name", model.name, NAMED_SIZES)
     _choice("model.gdn_backend", model.gdn_backend, GDN_BACKENDS)
     _choice("model.conv_backend", model.conv_backend, CONV_BACKENDS)
-    _boolean("model.gdn_keep_for_backward", model.gdn_keep_for_backward)
+    if not is_keep_for_backward(model.gdn_keep_for_backward):
+        raise ConfigError(f"model.gdn_keep_for_backward={model.gdn_keep_for_backward!r}: expected one of "
+                          f"{list(GDN_KEEP_FOR_BACKWARD)} (true, products or false)")
     if model.vocab_size is not None:
         _integer("model.vocab_size", model.vocab_size, 1)
     if model.init_from is not None and not (Path(str(model.init_from)) / "config.json").is_file():

@@ -11,13 +11,17 @@ from flashqla.l2norm import l2_normalize
 def chunk_gated_delta_rule_hopper(q, k, v, g, beta, scale, initial_state, output_final_state,
                                   use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_host, keep_for_backward):
     """(o, final_state or None) for inputs the public op has checked (scale resolved, cu_seqlens_host
-    the offsets as a list or None). keep_for_backward: let the forward keep its intermediates for
-    the backward, which they are only when autograd will run one (see keeps_for_backward)."""
+    the offsets as a list or None). keep_for_backward (True, "products" or False, as the public op
+    takes it): what the forward keeps of its intermediates for the backward, which they are only
+    when autograd will run one (see keeps_for_backward)."""
     if use_qk_l2norm_in_kernel:
         q, k = l2_normalize(q), l2_normalize(k)
-    keep = keep_for_backward and keeps_for_backward(q, k, v, g, beta, initial_state)
+    # Saved for the backward as contiguous tensors: a view (v split from the layer's fused conv
+    # output, say) would keep its whole base alive until the backward.
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    keep = bool(keep_for_backward) and keeps_for_backward(q, k, v, g, beta, initial_state)
     return ChunkGatedDeltaRuleFunction.apply(q, k, v, g, beta, scale, initial_state, output_final_state,
-                                             cu_seqlens, cu_seqlens_host, keep)
+                                             cu_seqlens, cu_seqlens_host, keep, keep_for_backward is True)
 
 
 def keeps_for_backward(*inputs) -> bool:
@@ -28,17 +32,17 @@ def keeps_for_backward(*inputs) -> bool:
 
 
 class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
-    """Saves the inputs and, when `keep`, the forward's gamma, A~, Ab, P and chunk states
-    (forward.KeptForward), which the backward then does not recompute."""
+    """Saves the inputs and, when `keep`, the forward's gamma, A~, Ab, P and (with `keep_chunk_states`)
+    chunk states (forward.KeptForward), which the backward then does not recompute."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_host,
-                keep=False):
+                keep=False, keep_chunk_states=True):
         from flashqla.hopper import forward
 
         o, final_state, *kept = forward.forward(
             q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_host=cu_seqlens_host,
-            keep_for_backward=keep,
+            keep_for_backward=keep, keep_chunk_states=keep_chunk_states,
         )
         ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, *(kept[0] if keep else ()))
         ctx.scale = scale
@@ -55,4 +59,4 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
             cu_seqlens_host=ctx.cu_seqlens_host, kept=forward.KeptForward(*kept) if kept else None,
         )
         dh0 = dh0 if initial_state is not None else None
-        return dq, dk, dv, dg, dbeta, None, dh0, None, None, None, None
+        return dq, dk, dv, dg, dbeta, None, dh0, None, None, None, None, None

@@ -1,8 +1,9 @@
 """The backward's entry: the gradients of (o, final state), from the kernels in the order they run.
 
 1. Without the forward's `KeptForward`, run the forward again for it (forward.py: gamma, A~, Ab,
-   P and the state entering every chunk, its walk in pieces); A~ also comes from inverse.py where
-   the forward's products kernel does not make it.
+   P and the state entering every chunk, its walk in pieces); with one that has no chunk states,
+   only the walk (forward.walk_chunks). A~ also comes from inverse.py where the forward's products
+   kernel does not make it.
 2. Walk the chunks in reverse for the state gradient leaving every chunk, and dh0
    (backward_state_grads.py; docs/gdn-math.md §3.1): the only sequential part. Sequences the
    forward's plan cut are walked in the same pieces, each from a decay-truncated warm-up after
@@ -18,7 +19,7 @@ from flashqla.hopper.backward_chunk_grads import chunk_gradients
 from flashqla.hopper.backward_state_grads import state_gradients
 from flashqla.hopper.chunk_plan import device_sm_count, flat_cu_seqlens, plan_forward, value_block_size, walk_ends
 from flashqla.hopper.common import DEFAULT_LOG_DECAY_THRESHOLD, HEAD_DIM, unsupported_inputs
-from flashqla.hopper.forward import KeptForward, forward
+from flashqla.hopper.forward import KeptForward, forward, walk_chunks
 from flashqla.hopper.fused_forward import MAX_VALUE_BLOCK as FORWARD_MAX_VALUE_BLOCK
 from flashqla.hopper.inverse import gate_free_inverse
 
@@ -80,7 +81,13 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seq
                              cu_seqlens_host=cu_seqlens_host, keep_for_backward=True)
     # float16 inputs were kept float16: the kernels here read bf16
     gamma = kept.gamma
-    gated_inverse, scores, states = (x.to(torch.bfloat16) for x in (kept.gated_inverse, kept.scores, kept.chunk_states))
+    gated_inverse, scores = kept.gated_inverse.to(torch.bfloat16), kept.scores.to(torch.bfloat16)
+    if kept.chunk_states is not None:
+        states = kept.chunk_states.to(torch.bfloat16)
+    else:  # the forward kept its products but not the states: walk the chunks again for them
+        h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
+        _, _, states = walk_chunks(q_flat, k_flat, v_flat, gamma, gated_inverse, scores, scale, h0, cu_seqlens, plan,
+                                   store_chunk_states=True)
     if kept.inverse is not None:
         inverse = kept.inverse.to(torch.bfloat16)
     else:  # the per-value-head products kernel ran (groups of more than 8 value heads)

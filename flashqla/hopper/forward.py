@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-from flashqla.hopper.chunk_plan import device_sm_count, flat_cu_seqlens, plan_forward, walk_starts
+from flashqla.hopper.chunk_plan import ForwardPlan, device_sm_count, flat_cu_seqlens, plan_forward, walk_starts
 from flashqla.hopper.common import DEFAULT_LOG_DECAY_THRESHOLD, unsupported_inputs
 from flashqla.hopper.cumsum import chunk_local_cumsum
 from flashqla.hopper.fused_forward import MAX_VALUE_BLOCK, fused_forward
@@ -22,18 +22,19 @@ from flashqla.hopper.gated_products import gated_products
 class KeptForward(NamedTuple):
     """What the forward can hand the backward so that it recomputes nothing but the state gradients
     (`forward(..., keep_for_backward=True)`): T * Hv * (3 * 128 + 4) bytes plus one state per chunk
-    and value head (T * Hv * 512 bytes) in the inputs' dtype."""
+    and value head (T * Hv * 512 bytes) in the inputs' dtype. Without the chunk states
+    (keep_chunk_states=False) the backward walks the chunks again for them (`walk_chunks`)."""
 
-    gamma: torch.Tensor           # float32 [T, Hv]: chunk-local cumsum of g
-    gated_inverse: torch.Tensor   # [T, Hv, 64]: Ab
-    scores: torch.Tensor          # [T, Hv, 64]: P
-    inverse: torch.Tensor | None  # [T, Hv, 64]: A~ (None where the per-value-head products kernel ran)
-    chunk_states: torch.Tensor    # [num_chunks, Hv, 128, 128]: the state entering every chunk
+    gamma: torch.Tensor                # float32 [T, Hv]: chunk-local cumsum of g
+    gated_inverse: torch.Tensor        # [T, Hv, 64]: Ab
+    scores: torch.Tensor               # [T, Hv, 64]: P
+    inverse: torch.Tensor | None       # [T, Hv, 64]: A~ (None where the per-value-head products kernel ran)
+    chunk_states: torch.Tensor | None  # [num_chunks, Hv, 128, 128]: the state entering every chunk
 
 
 def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
             log_decay_threshold: float = DEFAULT_LOG_DECAY_THRESHOLD, cu_seqlens_host: list[int] | None = None,
-            keep_for_backward: bool = False):
+            keep_for_backward: bool = False, keep_chunk_states: bool = True):
     """(o, final_state or None) for q, k [B, T, Hqk, 128], v [B, T, Hv, 128], g, beta [B, T, Hv]
     (q, k already L2-normalised when asked), with a KeptForward third when keep_for_backward.
 
@@ -42,7 +43,8 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
     cu_seqlens_host: cu_seqlens as a Python list when the caller has already read it back; saves
     the forward's only device->host sync.
     keep_for_backward: also return a KeptForward, which `backward.backward(..., kept=...)` takes
-    instead of recomputing the inverse, the products and the chunk states.
+    instead of recomputing the inverse, the products and the chunk states; keep_chunk_states=False
+    leaves the states out of it (T * Hv * 512 bytes).
     """
     reason = unsupported_inputs(q, v)
     if reason is not None:
@@ -72,15 +74,23 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
     gamma = gamma.view(num_tokens, num_v_heads)
     gated_inverse, scores, inverse = gated_products(q_flat, k_flat, gamma, beta_flat, scale, cu_seqlens,
                                                     plan.chunk_index, with_inverse=keep_for_backward)
-    walk = walk_starts(plan.pieces, cu_seqlens, gamma, log_decay_threshold, plan.max_walk_back,
-                       walk_index=plan.walk_index)
     h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
-    o, final_state, chunk_states = fused_forward(
-        q_flat, k_flat, v_flat, gamma, gated_inverse, scores, scale, h0,
-        cu_seqlens, plan.value_block, plan.pieces, walk, store_chunk_states=keep_for_backward,
-        offsets=plan.chunk_offsets, num_chunks=plan.chunk_index.shape[0])
+    keeps_states = keep_for_backward and keep_chunk_states
+    o, final_state, chunk_states = walk_chunks(q_flat, k_flat, v_flat, gamma, gated_inverse, scores, scale, h0,
+                                               cu_seqlens, plan, log_decay_threshold, store_chunk_states=keeps_states)
     o = o.view(batch_size, seq_len, num_v_heads, head_dim)
     final_state = final_state if output_final_state else None
     if keep_for_backward:
         return o, final_state, KeptForward(gamma, gated_inverse, scores, inverse, chunk_states)
     return o, final_state
+
+
+def walk_chunks(q_flat, k_flat, v_flat, gamma, gated_inverse, scores, scale, h0, cu_seqlens, plan: ForwardPlan,
+                log_decay_threshold: float = DEFAULT_LOG_DECAY_THRESHOLD, store_chunk_states: bool = False):
+    """Steps 3-4 on flattened inputs ([T, H, 128]; h0 float32 or None): the warm-up starts of the
+    plan's pieces, then the fused walk. (o, final_state, chunk states or None)."""
+    walk = walk_starts(plan.pieces, cu_seqlens, gamma, log_decay_threshold, plan.max_walk_back,
+                       walk_index=plan.walk_index)
+    return fused_forward(q_flat, k_flat, v_flat, gamma, gated_inverse, scores, scale, h0, cu_seqlens,
+                         plan.value_block, plan.pieces, walk, store_chunk_states=store_chunk_states,
+                         offsets=plan.chunk_offsets, num_chunks=plan.chunk_index.shape[0])

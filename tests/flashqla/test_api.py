@@ -118,6 +118,10 @@ def _bad_cases():
                                  "cu_seqlens_cpu must have dtype int32 or int64, got torch.float32"),
         "cu_seqlens_cpu short of T": (dict(cu_seqlens_cpu=torch.tensor([0, 10, 15])), ValueError,
                                       "cu_seqlens_cpu must start at 0 and end at T = 16, got first 0 and last 15"),
+        "keep_for_backward 1": (dict(keep_for_backward=1), ValueError,
+                                r"keep_for_backward must be one of \(True, 'products', False\), got 1"),
+        "keep_for_backward name": (dict(keep_for_backward="states"), ValueError,
+                                   "keep_for_backward must be one of .*got 'states'"),
     }
 
 
@@ -158,10 +162,10 @@ def test_the_forwards_kept_tensors_reach_the_backward(monkeypatch):
 
     made, received, asked = [], [], []
 
-    def fake_forward(q, k, v, *args, keep_for_backward=False, **kwargs):
-        asked.append(keep_for_backward)
+    def fake_forward(q, k, v, *args, keep_for_backward=False, keep_chunk_states=True, **kwargs):
+        asked.append(keep_for_backward and (True if keep_chunk_states else "products"))
         kept = forward.KeptForward(torch.zeros(4, 1), torch.full((4, 1, 64), 2.0), torch.full((4, 1, 64), 3.0),
-                                   None, torch.ones(1, 1, 8, 8))
+                                   None, torch.ones(1, 1, 8, 8) if keep_chunk_states else None)
         made.append(kept)
         return (v * 1.0, None, kept) if keep_for_backward else (v * 1.0, None)
 
@@ -173,14 +177,31 @@ def test_the_forwards_kept_tensors_reach_the_backward(monkeypatch):
     monkeypatch.setattr(backward, "backward", fake_backward)
     q, k = torch.randn(1, 4, 1, 8), torch.randn(1, 4, 1, 8)
     g, beta = torch.zeros(1, 4, 1), torch.ones(1, 4, 1)
-    for keep in (True, False):
+    for keep in (True, "products", False):
         v = torch.randn(1, 4, 1, 8, requires_grad=True)
         o, _ = autograd.chunk_gated_delta_rule_hopper(q, k, v, g, beta, 1.0, None, False, False, None, None, keep)
         o.sum().backward()
     assert isinstance(received[0], forward.KeptForward)
     assert all(a is b for a, b in zip(received[0], made[0]))
-    assert received[1] is None
+    assert received[1].chunk_states is None and all(a is b for a, b in zip(received[1][:4], made[1][:4]))
+    assert received[2] is None
     with torch.no_grad():
         autograd.chunk_gated_delta_rule_hopper(q, k, v, g, beta, 1.0, None, False, False, None, None, True)
     autograd.chunk_gated_delta_rule_hopper(q, k, v.detach(), g, beta, 1.0, None, False, False, None, None, True)
-    assert asked == [True, False, False, False]
+    assert asked == [True, "products", False, False, False]
+
+
+def test_saved_inputs_hold_no_larger_base(monkeypatch):
+    """The op saves its inputs for the backward as tensors of their own: a v split from the GDN
+    layer's fused conv output must not keep all of that output alive (3x v's bytes at Qwen3.5's
+    widths). Stand-in kernels, no GPU."""
+    from flashqla.hopper import autograd, forward
+
+    monkeypatch.setattr(forward, "forward", lambda q, k, v, *args, **kwargs: (v * 1.0, None))
+    qkv = torch.randn(1, 4, 3 * 8, requires_grad=True)
+    q, k, v = (x.reshape(1, 4, 1, 8) for x in torch.split(qkv, 8, dim=-1))
+    g, beta = torch.zeros(1, 4, 1), torch.ones(1, 4, 1)
+    o, _ = autograd.chunk_gated_delta_rule_hopper(q, k, v, g, beta, 1.0, None, False, False, None, None, False)
+    saved = [x for x in o.grad_fn.saved_tensors if x is not None]
+    base = qkv.untyped_storage().data_ptr()
+    assert saved and all(x.untyped_storage().data_ptr() != base for x in saved)

@@ -1,6 +1,7 @@
 """The forward keeps gamma, A~, Ab, P and the state entering every chunk (forward.KeptForward) and the
-backward recomputes none of them (the public op's default; with keep_for_backward=False the backward
-runs the forward again for them).
+backward recomputes none of them (the public op's default); with keep_for_backward="products" all but
+the chunk states, which the backward walks the chunks again for; with False nothing (the backward runs
+the forward again).
 
 Checked: the kept tensors agree with what the separate kernels make (the products, the inverse, the
 state-only walk of chunk_states.py), and the gradients stay
@@ -19,7 +20,7 @@ SCALE = 128 ** -0.5
 ARGS = ("q", "k", "v", "g", "beta")
 
 
-def forward_then_backward(inputs, do, dht):
+def forward_then_backward(inputs, do, dht, keep_chunk_states: bool = True):
     """Gradients through forward(keep_for_backward=True) and the backward that takes them,
     with NaN in every free block beforehand so that anything left unwritten shows."""
     from flashqla.hopper.backward import backward
@@ -28,7 +29,8 @@ def forward_then_backward(inputs, do, dht):
     args = [inputs[n] for n in ARGS]
     poison_allocator()
     _, _, kept = forward(*args, SCALE, inputs["initial_state"], True, inputs["cu_seqlens"],
-                                keep_for_backward=True)
+                         keep_for_backward=True, keep_chunk_states=keep_chunk_states)
+    assert (kept.chunk_states is not None) == keep_chunk_states
     return backward(*args, SCALE, inputs["initial_state"], inputs["cu_seqlens"], do, dht, kept=kept)
 
 
@@ -80,6 +82,20 @@ def test_kept_tensors_match_the_separate_kernels(heads):
     assert relative_error(kept.chunk_states, states) <= 1e-2
 
 
+@pytest.mark.parametrize("lengths", [RAGGED, [28672, 4096]], ids=["ragged", "28672+4096"])
+@pytest.mark.parametrize("heads", [(16, 64), (2, 8), (1, 16)], ids=["16_64", "2_8", "1_16"])
+def test_kept_products_without_states_give_bitwise_the_kept_gradients(heads, lengths):
+    """keep_for_backward="products": the backward walks the chunks again for the states, the same
+    kernel on the same inputs and plan (pieces and warm-ups included) as the forward's walk, so the
+    gradients are those of keeping everything, to the bit."""
+    inputs, do, dht = make_backward_inputs(lengths, *heads, True, strong_decay=True)
+    with_states = forward_then_backward(inputs, do, dht)
+    rewalked = forward_then_backward(inputs, do, dht, keep_chunk_states=False)
+    for name, a, b in zip(GRAD_NAMES, with_states, rewalked):
+        assert torch.isfinite(b).all(), name
+        assert torch.equal(a, b), name
+
+
 def test_kept_float16_tensors_stay_within_tolerance():
     """float16 inputs keep float16 tensors, which the backward converts to bf16."""
     inputs, do, dht = make_inputs(RAGGED, 4, 16, True, dtype=torch.float16, with_output_grads=True)
@@ -102,7 +118,7 @@ def test_public_op_with_kept_forward_under_checkpointing():
     inputs, do, dht = make_backward_inputs(RAGGED, 2, 8, True)
     names = ARGS + ("initial_state",)
 
-    def grads(keep: bool, reentrant: bool):
+    def grads(keep, reentrant: bool):
         leaves = [inputs[n].clone().requires_grad_() for n in names]
 
         def op(q, k, v, g, beta, h0):
@@ -117,8 +133,9 @@ def test_public_op_with_kept_forward_under_checkpointing():
 
     recomputed = grads(False, False)
     reference = float64_gradients(inputs, do, dht)
-    for reentrant in (False, True):
-        kept = grads(True, reentrant)
-        for name, a, b in zip(names, kept, recomputed):
-            assert relative_error(a, b) <= 1e-2, (reentrant, name)
-        assert all(relative_error(a, r) <= TOLERANCE for a, r in zip(kept, reference))
+    for keep in (True, "products"):
+        for reentrant in (False, True):
+            kept = grads(keep, reentrant)
+            for name, a, b in zip(names, kept, recomputed):
+                assert relative_error(a, b) <= 1e-2, (keep, reentrant, name)
+            assert all(relative_error(a, r) <= TOLERANCE for a, r in zip(kept, reference))
