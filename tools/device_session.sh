@@ -21,11 +21,13 @@
 #   train-32k           launch/benchmark.sh 0.8B 32768 tilelang (train-32k-compare: tilelang,fla;
 #                       train-32k-compare-recompute: the same with model.gdn_keep_for_backward=false;
 #                       train-128k-compare: tilelang,fla at 131072)
+#   keep-levels         32768 tokens, tilelang,fla, once for each model.gdn_keep_for_backward (true, products, false)
 #   train-256k          launch/benchmark.sh 0.8B 262144 tilelang
 #   idle                32768 tokens: profiled, without DeepSpeed's overlap_comm, with ZeRO-1; 8192 profiled
 #   timing-cost         32768 tokens with kernel timing on and off
 #   checkpoint-layers   131072 tokens with train.checkpoint_layers=16
-#   model-bench         python -m flashqla.bench --model --fwd --bwd (ours / FLA / FlashQLA as the model calls the op)
+#   model-bench         python -m flashqla.bench --model --fwd --bwd (ours / FLA / FlashQLA as the model calls the op;
+#                       SHAPES=substr,... filters)
 #   model-vs-hf         python -m benchmarks.model_vs_hf: ours, HF + FLA, HF + FlashQLA at 16384 tokens
 #   train-8k            launch/benchmark.sh 0.8B 8192 tilelang,fla
 #   train-128k-tilelang launch/benchmark.sh 0.8B 131072 tilelang
@@ -187,7 +189,7 @@ print("max |difference|", max(abs(losses[0][s] - losses[1][s]) for s in losses[0
         ;;
     model-bench)
         step model-bench 300 60 "$PYTHON" -m flashqla.bench --model --fwd --bwd --baselines fla,flashqla \
-            --json "$OUT/model-bench.json"
+            --json "$OUT/model-bench.json" ${SHAPES:+--shapes "$SHAPES"}
         ;;
     model-vs-hf)
         step model-vs-hf 300 60 env OUT="$OUT" "$PYTHON" -m benchmarks.model_vs_hf \
@@ -199,6 +201,12 @@ print("max |difference|", max(abs(losses[0][s] - losses[1][s]) for s in losses[0
     train-32k-compare-recompute)
         TAG=recompute train_run train-0.8B-32k-compare-recompute 0.8B 32768 tilelang,fla model.gdn_keep_for_backward=false ;;
     train-128k-compare) train_run train-0.8B-128k-compare 0.8B 131072 tilelang,fla ;;
+    keep-levels)
+        # peak memory and GDN backward against fla for each of what the op may keep (true, products, false)
+        for keep in true products false; do
+            TAG=keep-$keep train_run "keep-$keep-32k" 0.8B 32768 tilelang,fla model.gdn_keep_for_backward=$keep
+        done
+        ;;
     train-256k) train_run train-0.8B-256k-tilelang 0.8B 262144 tilelang ;;
     train-8k) train_run train-0.8B-8k-compare 0.8B 8192 tilelang,fla ;;
     train-128k-tilelang) train_run train-0.8B-128k-tilelang 0.8B 131072 tilelang ;;
@@ -221,7 +229,7 @@ print("max |difference|", max(abs(losses[0][s] - losses[1][s]) for s in losses[0
     *)
         echo "unknown part '$1': tests, tests-model, unverified, compare, compare-conv, attention, bench, bench-warm, ncu," \
             "train-8k, train-32k, train-32k-compare, train-32k-compare-recompute, train-128k-compare, train-128k-tilelang, train-128k-fla, train-256k, train-2b, train," \
-            "idle, timing-cost, checkpoint-layers, model-bench, model-vs-hf," \
+            "idle, timing-cost, checkpoint-layers, keep-levels, model-bench, model-vs-hf," \
             "tp2, tp2-8k" >&2
         SUMMARY+=("$(printf '%-22s %-9s' "$1" "UNKNOWN")")
         ;;

@@ -13,7 +13,8 @@ One file per kernel, in pipeline order:
 - gated_products.py: Ab and P of every chunk, per value head, and the entry that picks between it
   and grouped_products.py, the same per group of value heads sharing a qk head;
 - fused_forward.py: the forward's sequential walk: o, the final state, the chunk states;
-- chunk_states.py: the state-only walk (chunk states for the backward, transitions);
+- chunk_states.py: the state-only walk (chunk states and K x K transitions; the tests' independent check of
+  the states the fused walk stores, and what a cross-GPU split of the op would exchange);
 - backward_state_grads.py: the backward's sequential walk: the state gradients;
 - backward_chunk_grads.py: dq, dk, dv, dg, dbeta of every chunk in parallel.
 
