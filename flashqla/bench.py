@@ -24,7 +24,9 @@ dozen TileLang kernels per head layout, minutes without a carried TileLang cache
 L2 distance of o and the final state from FLA's.
 --breakdown adds our per-stage times (planning uncached and cached, cumsum, the gated products by
 the per-value-head kernel ("products") and by the grouped one, the default ("products_grouped"),
-walk starts, fused walk). --time-budget starts no shape that would likely end past the budget; the
+walk starts, fused walk; with --model also the L2 norm and the kept variants of the products and the
+walk), and with --bwd the backward's (state-gradient walk, its warm-up ends, chunk gradients, the
+group sums, and the walk that keep_for_backward="products" adds). --time-budget starts no shape that would likely end past the budget; the
 JSON is rewritten after every shape, so a killed run keeps what it measured. --warm-only makes only
 the first calls: FLA's compile and autotuning take about two minutes per head layout, so
 tools/device_session.sh runs one such process per layout in parallel (autotune results not kept,
@@ -150,16 +152,31 @@ def implementations(baselines: list[str], host_offsets: bool = True, backend: st
     return impls
 
 
-def forward_breakdown(inputs: dict, rep_ms: int) -> dict:
-    """Median ms of each stage of our forward (planning, cumsum, gated products, walk starts, fused kernel)."""
+def _breakdown_operands(inputs: dict, like_the_model: bool):
+    """The kernels' flattened operands for the stage timings: q, k normalised here when the op would
+    normalise them in the kernel (like_the_model), beta as given."""
+    from flashqla.l2norm import l2_normalize
+
+    q, k, v, g, beta = (inputs[n][0] for n in ("q", "k", "v", "g", "beta"))
+    if like_the_model:
+        q, k = l2_normalize(q), l2_normalize(k)
+    return q, k, v, g, beta
+
+
+def forward_breakdown(inputs: dict, rep_ms: int, like_the_model: bool = False) -> dict:
+    """Median ms of each stage of our forward (planning, cumsum, gated products, walk starts, fused
+    kernel). like_the_model adds the in-kernel L2 norm and the variants a differentiated forward runs:
+    the products that also write A~ and the walk that stores the chunk states."""
     from triton.testing import do_bench
 
     from flashqla.hopper.chunk_plan import build_forward_plan, plan_forward, walk_starts
     from flashqla.hopper.cumsum import chunk_local_cumsum
     from flashqla.hopper.fused_forward import MAX_VALUE_BLOCK, fused_forward
     from flashqla.hopper.gated_products import gated_products
+    from flashqla.l2norm import l2_normalize
 
-    q, k, v, g, beta = (inputs[n][0] for n in ("q", "k", "v", "g", "beta"))
+    q, k, v, g, beta = _breakdown_operands(inputs, like_the_model)
+    h0 = inputs["initial_state"]
     cu = inputs["cu_seqlens"]
     bounds = cu.tolist()
     num_tokens, num_v_heads = g.shape
@@ -169,6 +186,12 @@ def forward_breakdown(inputs: dict, rep_ms: int) -> dict:
     gamma = chunk_local_cumsum(g[None], cu, chunk_index=index).view(num_tokens, num_v_heads)
     gated_inverse, scores, _ = gated_products(q, k, gamma, beta, 128 ** -0.5, cu, index)
     walk = walk_starts(plan.pieces, cu, gamma, -10.0, plan.max_walk_back, walk_index=plan.walk_index)
+
+    def fused(store_chunk_states=False):
+        return fused_forward(q, k, v, gamma, gated_inverse, scores, 128 ** -0.5, h0, cu, plan.value_block,
+                             plan.pieces, walk, store_chunk_states=store_chunk_states, offsets=plan.chunk_offsets,
+                             num_chunks=index.shape[0])
+
     stages = {
         # uncached: the first layer of a step with new cu_seqlens (one device->host read included)
         "plan": lambda: build_forward_plan(cu.tolist(), cu.device, num_v_heads, 128, sm_count, MAX_VALUE_BLOCK),
@@ -179,14 +202,74 @@ def forward_breakdown(inputs: dict, rep_ms: int) -> dict:
         "products": lambda: gated_products(q, k, gamma, beta, 128 ** -0.5, cu, index, grouped=False),
         "products_grouped": lambda: gated_products(q, k, gamma, beta, 128 ** -0.5, cu, index, grouped=True),
         "walk": lambda: walk_starts(plan.pieces, cu, gamma, -10.0, plan.max_walk_back, walk_index=plan.walk_index),
-        "fused": lambda: fused_forward(q, k, v, gamma, gated_inverse, scores, 128 ** -0.5,
-                                             inputs["initial_state"], cu, plan.value_block, plan.pieces, walk,
-                                             offsets=plan.chunk_offsets),
+        "fused": fused,
     }
+    if like_the_model:
+        stages["l2norm"] = lambda: (l2_normalize(inputs["q"]), l2_normalize(inputs["k"]))
+        stages["products_kept"] = lambda: gated_products(q, k, gamma, beta, 128 ** -0.5, cu, index, with_inverse=True)
+        stages["fused_kept"] = lambda: fused(store_chunk_states=True)
     result = {name: do_bench(fn, warmup=10, rep=rep_ms, return_mode="median") for name, fn in stages.items()}
     result["pieces"] = int(plan.pieces.shape[0])
     result["value_block"] = plan.value_block
     return result
+
+
+def backward_breakdown(inputs: dict, rep_ms: int, like_the_model: bool = False) -> dict:
+    """Median ms of each stage of our backward given the kept forward: the warm-up ends of the
+    pieces, the state-gradient walk, the chunk gradients, the dq/dk sums over each value-head group,
+    and the walk that "products" adds (the chunk states rebuilt)."""
+    from triton.testing import do_bench
+
+    from flashqla.hopper.backward import MAX_VALUE_BLOCK as BACKWARD_VALUE_BLOCK
+    from flashqla.hopper.backward_chunk_grads import chunk_gradients
+    from flashqla.hopper.backward_state_grads import state_gradients
+    from flashqla.hopper.chunk_plan import plan_forward, value_block_size, walk_ends
+    from flashqla.hopper.forward import forward, walk_chunks
+    from flashqla.hopper.fused_forward import MAX_VALUE_BLOCK
+
+    q, k, v, g, beta = _breakdown_operands(inputs, like_the_model)
+    h0 = inputs["initial_state"]
+    cu = inputs["cu_seqlens"]
+    num_tokens, num_v_heads = g.shape
+    num_qk_heads = q.shape[1]
+    sm_count = torch.cuda.get_device_properties().multi_processor_count
+    plan = plan_forward(cu, num_v_heads, 128, sm_count, MAX_VALUE_BLOCK)
+    _, _, kept = forward(q[None], k[None], v[None], g[None], beta[None], 128 ** -0.5, h0, False, cu,
+                         keep_for_backward=True)
+    gamma, beta32 = kept.gamma, beta.float()
+    do = torch.randn_like(v)
+    dht = torch.zeros(cu.numel() - 1, num_v_heads, 128, 128, device=v.device)
+    offsets, num_chunks = plan.chunk_offsets, plan.chunk_index.shape[0]
+    if plan.walk_ahead_index is not None:
+        ends = walk_ends(gamma, plan.walk_ahead_index)
+        walk_args = dict(value_block=plan.value_block, pieces=plan.pieces, walk_end=ends)
+    else:
+        busy = max(sum(b > a for a, b in zip(cu.tolist(), cu.tolist()[1:])), 1)
+        walk_args = dict(value_block=value_block_size(busy, num_v_heads, 128, sm_count, BACKWARD_VALUE_BLOCK))
+
+    def state_grads():
+        return state_gradients(q, k, gamma, kept.gated_inverse, kept.scores, do, dht, 128 ** -0.5, cu, offsets,
+                               num_chunks, **walk_args)
+
+    state_grad_tensor, _ = state_grads()
+
+    def chunk_grads():
+        return chunk_gradients(q, k, v, gamma, beta32, kept.inverse, kept.chunk_states, state_grad_tensor, do,
+                               128 ** -0.5, cu, plan.chunk_index)
+
+    dq_head = chunk_grads()[0]
+    stages = {
+        "state_grads": state_grads,
+        "chunk_grads": chunk_grads,
+        "rewalk": lambda: walk_chunks(q, k, v, gamma, kept.gated_inverse, kept.scores, 128 ** -0.5, h0, cu, plan,
+                                      store_chunk_states=True),
+    }
+    if plan.walk_ahead_index is not None:
+        stages["walk_ends"] = lambda: walk_ends(gamma, plan.walk_ahead_index)
+    if num_v_heads > num_qk_heads:
+        group = num_v_heads // num_qk_heads
+        stages["group_sum"] = lambda: dq_head.view(num_tokens, num_qk_heads, group, 128).sum(2, dtype=torch.bfloat16)
+    return {name: do_bench(fn, warmup=10, rep=rep_ms, return_mode="median") for name, fn in stages.items()}
 
 
 def first_call_s(fn, inputs) -> float:
@@ -377,8 +460,6 @@ def main(argv=None) -> None:
     shapes = [s for s in candidates if not wanted or any(w in s[0] for w in wanted)]
     if not shapes:
         raise SystemExit(f"--shapes {args.shapes!r} matches none of: {', '.join(s[0] for s in candidates)}")
-    if args.model and args.breakdown:
-        raise SystemExit("--breakdown times the forward's stages on the anchors' inputs; leave out --model")
 
     results, skipped, slowest_shape_s = [], [], 0.0
     for name, heads, seq_lens in shapes:
@@ -418,7 +499,9 @@ def main(argv=None) -> None:
                 row["distance_error"] = f"{type(error).__name__}: {error}"[:300]
         if args.breakdown:
             try:
-                row["ours_breakdown_ms"] = forward_breakdown(inputs, max(args.rep // 4, 20))
+                row["ours_breakdown_ms"] = forward_breakdown(inputs, max(args.rep // 4, 20), args.model)
+                if args.bwd:
+                    row["ours_backward_breakdown_ms"] = backward_breakdown(inputs, max(args.rep // 4, 20), args.model)
             except Exception as error:
                 row["ours_breakdown_error"] = f"{type(error).__name__}: {error}"[:300]
         row["wall_s"] = time.perf_counter() - shape_started
@@ -469,9 +552,12 @@ def format_row(row: dict, impls: dict) -> str:
     for impl_name, distance in row.get("distance_from_fla", {}).items():
         state = f" state {distance['final_state']:.1e}" if "final_state" in distance else ""
         parts.append(f"{impl_name} vs fla o {distance['o']:.1e}{state}")
-    if "ours_breakdown_ms" in row:
-        parts.append("stages " + " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
-                                          for k, v in row["ours_breakdown_ms"].items()))
+    for key, label in (("ours_breakdown_ms", "stages"), ("ours_backward_breakdown_ms", "backward stages")):
+        if key in row:
+            parts.append(label + " " + " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
+                                                for k, v in row[key].items()))
+    if "ours_breakdown_error" in row:
+        parts.append(f"breakdown ERROR {row['ours_breakdown_error']}")
     return " | ".join(parts)
 
 
