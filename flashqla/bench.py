@@ -220,10 +220,10 @@ def backward_breakdown(inputs: dict, rep_ms: int, like_the_model: bool = False) 
     and the walk that "products" adds (the chunk states rebuilt)."""
     from triton.testing import do_bench
 
-    from flashqla.hopper.backward import MAX_VALUE_BLOCK as BACKWARD_VALUE_BLOCK
+    from flashqla.hopper.backward import state_gradient_walk
     from flashqla.hopper.backward_chunk_grads import chunk_gradients
     from flashqla.hopper.backward_state_grads import state_gradients
-    from flashqla.hopper.chunk_plan import plan_forward, value_block_size, walk_ends
+    from flashqla.hopper.chunk_plan import plan_forward, walk_ends
     from flashqla.hopper.forward import forward, walk_chunks
     from flashqla.hopper.fused_forward import MAX_VALUE_BLOCK
 
@@ -240,12 +240,7 @@ def backward_breakdown(inputs: dict, rep_ms: int, like_the_model: bool = False) 
     do = torch.randn_like(v)
     dht = torch.zeros(cu.numel() - 1, num_v_heads, 128, 128, device=v.device)
     offsets, num_chunks = plan.chunk_offsets, plan.chunk_index.shape[0]
-    if plan.walk_ahead_index is not None:
-        ends = walk_ends(gamma, plan.walk_ahead_index)
-        walk_args = dict(value_block=plan.value_block, pieces=plan.pieces, walk_end=ends)
-    else:
-        busy = max(sum(b > a for a, b in zip(cu.tolist(), cu.tolist()[1:])), 1)
-        walk_args = dict(value_block=value_block_size(busy, num_v_heads, 128, sm_count, BACKWARD_VALUE_BLOCK))
+    walk_args = state_gradient_walk(plan, gamma, cu.tolist(), num_v_heads, sm_count)
 
     def state_grads():
         return state_gradients(q, k, gamma, kept.gated_inverse, kept.scores, do, dht, 128 ** -0.5, cu, offsets,
@@ -328,13 +323,6 @@ def _median_ms(fn, rep_ms: int, **kwargs) -> float:
     return do_bench(fn, warmup=max(rep_ms // 20, 10), rep=rep_ms, return_mode="median", **kwargs)
 
 
-def _output_grads(inputs: dict, seed: int = 1):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    do = torch.randn(inputs["v"].shape, generator=gen, device="cuda").to(torch.bfloat16)
-    dht = torch.randn(inputs["initial_state"].shape, generator=gen, device="cuda")
-    return do, dht
-
-
 def compare_keep_forward(rep_ms: int):
     """Forward + backward through the public op, recomputing the forward's intermediates in the
     backward (keep_for_backward=False) against keeping all but the chunk states ("products") and
@@ -343,7 +331,7 @@ def compare_keep_forward(rep_ms: int):
 
     for heads in ((16, 64), (16, 16), (2, 8)):
         x = make_inputs(heads, [32768])
-        do, dht = _output_grads(x)
+        do, dht = _output_grads_for((x["v"], x["initial_state"]))
         leaves = [x[n].detach().requires_grad_(True) for n in DIFFERENTIABLE_INPUTS]
 
         def step(keep):

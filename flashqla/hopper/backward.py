@@ -73,9 +73,6 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seq
     beta_flat = beta.reshape(num_tokens, num_v_heads).to(torch.float32).contiguous()
 
     chunk_index, offsets = plan.chunk_index, plan.chunk_offsets
-    busy_sequences = max(sum(b > a for a, b in zip(cu_seqlens_host, cu_seqlens_host[1:])), 1)
-    value_block = value_block_size(busy_sequences, num_v_heads, HEAD_DIM, sm_count, MAX_VALUE_BLOCK)
-
     if kept is None:  # run the forward again, keeping what it can: every piece in parallel
         _, _, kept = forward(q, k, v, g, beta, scale, initial_state, False, cu_seqlens,
                              cu_seqlens_host=cu_seqlens_host, keep_for_backward=True)
@@ -97,14 +94,9 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seq
     if dht is None:
         dht = torch.zeros(num_sequences, num_v_heads, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=device)
     dht = dht.to(torch.float32).contiguous()
-    if plan.walk_ahead_index is not None:  # the forward cut sequences into pieces
-        ends = walk_ends(gamma, plan.walk_ahead_index, log_decay_threshold)
-        state_grads, dh0 = state_gradients(q_flat, k_flat, gamma, gated_inverse, scores, do_flat, dht, scale,
-                                           cu_seqlens, offsets, chunk_index.shape[0], plan.value_block,
-                                           pieces=plan.pieces, walk_end=ends)
-    else:
-        state_grads, dh0 = state_gradients(q_flat, k_flat, gamma, gated_inverse, scores, do_flat, dht, scale,
-                                           cu_seqlens, offsets, chunk_index.shape[0], value_block)
+    walk = state_gradient_walk(plan, gamma, cu_seqlens_host, num_v_heads, sm_count, log_decay_threshold)
+    state_grads, dh0 = state_gradients(q_flat, k_flat, gamma, gated_inverse, scores, do_flat, dht, scale,
+                                       cu_seqlens, offsets, chunk_index.shape[0], **walk)
     dq_head, dk_head, dv, dg, dbeta = chunk_gradients(q_flat, k_flat, v_flat, gamma, beta_flat, inverse, states,
                                                       state_grads, do_flat, scale, cu_seqlens, chunk_index)
 
@@ -123,3 +115,15 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seq
         dbeta.view(beta.shape),
         dh0,
     )
+
+
+def state_gradient_walk(plan, gamma, cu_seqlens_host: list[int], num_v_heads: int, sm_count: int,
+                        log_decay_threshold: float = DEFAULT_LOG_DECAY_THRESHOLD) -> dict:
+    """How `state_gradients` walks for this forward plan, as its keyword arguments: in the plan's
+    pieces, each from its decay-truncated warm-up end (chunk_plan.walk_ends), where the forward cut
+    sequences; else one CTA per whole sequence and V block, as wide as the SM count allows."""
+    if plan.walk_ahead_index is not None:
+        return dict(value_block=plan.value_block, pieces=plan.pieces,
+                    walk_end=walk_ends(gamma, plan.walk_ahead_index, log_decay_threshold))
+    busy_sequences = max(sum(b > a for a, b in zip(cu_seqlens_host, cu_seqlens_host[1:])), 1)
+    return dict(value_block=value_block_size(busy_sequences, num_v_heads, HEAD_DIM, sm_count, MAX_VALUE_BLOCK))
