@@ -27,7 +27,7 @@
 #   timing-cost         32768 tokens with kernel timing on and off
 #   checkpoint-layers   131072 tokens with train.checkpoint_layers=16
 #   model-bench         python -m flashqla.bench --model --fwd --bwd (ours / FLA / FlashQLA as the model calls the op;
-#                       SHAPES=substr,... filters)
+#                       SHAPES=substr,... filters; BREAKDOWN=1 adds our stages)
 #   model-vs-hf         python -m benchmarks.model_vs_hf: ours, HF + FLA, HF + FlashQLA at 16384 tokens
 #   train-8k            launch/benchmark.sh 0.8B 8192 tilelang,fla
 #   train-128k-tilelang launch/benchmark.sh 0.8B 131072 tilelang
@@ -189,7 +189,7 @@ print("max |difference|", max(abs(losses[0][s] - losses[1][s]) for s in losses[0
         ;;
     model-bench)
         step model-bench 300 60 "$PYTHON" -m flashqla.bench --model --fwd --bwd --baselines fla,flashqla \
-            --json "$OUT/model-bench.json" ${SHAPES:+--shapes "$SHAPES"}
+            --json "$OUT/model-bench.json" ${SHAPES:+--shapes "$SHAPES"} ${BREAKDOWN:+--breakdown}
         ;;
     model-vs-hf)
         step model-vs-hf 300 60 env OUT="$OUT" "$PYTHON" -m benchmarks.model_vs_hf \
