@@ -48,7 +48,7 @@ class QwenHybridConfig:
     # ours, not HF's: which implementations the GDN layers call for the gated delta rule and the conv
     gdn_backend: str = "auto"
     conv_backend: str = "auto"
-    gdn_keep_for_backward: bool | str = True  # flashqla.chunk_gated_delta_rule's keep_for_backward
+    gdn_keep_for_backward: bool | str = "products"  # flashqla.chunk_gated_delta_rule's keep_for_backward (configs/model/*.yaml say why)
 
     def __post_init__(self) -> None:
         if self.layer_types is None:

@@ -124,6 +124,7 @@ def validate_config(cfg: DictConfig) -> None:
     _choice("deepspeed.zero_stage", ds.zero_stage, ZERO_STAGES)
     _boolean("deepspeed.offload_optimizer", ds.offload_optimizer)
     _boolean("deepspeed.offload_param", ds.offload_param)
+    _boolean("deepspeed.one_pass_grad_checks", ds.one_pass_grad_checks)
     if ds.offload_optimizer and ds.zero_stage == 0:
         raise ConfigError("deepspeed.offload_optimizer=true: expected deepspeed.zero_stage >= 1")
     if ds.offload_param and ds.zero_stage != 3:
@@ -220,6 +221,8 @@ def deepspeed_config(cfg: DictConfig, on_cuda: bool) -> dict:
         "zero_optimization": zero,
         "steps_per_print": 2**31 - 1,  # our own logging replaces DeepSpeed's
         "wall_clock_breakdown": False,
+        # its throughput timer synchronises the device twice a step; our metrics time the step
+        "timers": {"throughput": {"enabled": False}},
     }
     if ds.offload_optimizer:
         config["optimizer"] = {

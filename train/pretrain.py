@@ -87,6 +87,7 @@ from train.metrics import (
 )
 from train.prepare_data import build_embedded_dataset, tokenize_documents
 from train.schedule import warmup_cosine_scheduler
+from train.zero_step import streamline_zero_step
 
 log = logging.getLogger("train")
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
@@ -356,6 +357,10 @@ def build_engine(cfg: DictConfig, model: QwenHybridForCausalLM, device: torch.de
         # norm counts each tensor-parallel shard once
         mpu=groups if cfg.parallel.tp * cfg.parallel.cp > 1 else None,
     )
+    if cfg.deepspeed.one_pass_grad_checks and cfg.deepspeed.zero_stage in (1, 2):
+        reason = streamline_zero_step(engine.optimizer)
+        if reason is not None:
+            log.info("deepspeed.one_pass_grad_checks: not applied, %s", reason)
     return engine
 
 
