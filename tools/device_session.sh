@@ -24,7 +24,8 @@
 #   keep-levels         32768 tokens, tilelang,fla, once for each model.gdn_keep_for_backward (true, products, false)
 #   train-256k          launch/benchmark.sh 0.8B 262144 tilelang
 #   idle                32768 tokens: profiled, without DeepSpeed's overlap_comm, with ZeRO-1; 8192 profiled
-#   grad-checks         8192 (profiled at step PROFILE_STEP=12) and 32768 tokens with deepspeed.one_pass_grad_checks on and off
+#   step-time           8192 (profiled at step PROFILE_STEP=6) and 32768 tokens, tilelang, kernel timing off
+#   grad-checks         8192 (profiled at step PROFILE_STEP=6) and 32768 tokens with deepspeed.one_pass_grad_checks on and off
 #   zero1-nohooks       8192 and 32768 tokens on ZeRO-1 without contiguous gradients or overlap (no gradient hooks)
 #   timing-cost         32768 tokens with kernel timing on and off
 #   checkpoint-layers   131072 tokens with train.checkpoint_layers=16
@@ -182,11 +183,17 @@ print("max |difference|", max(abs(losses[0][s] - losses[1][s]) for s in losses[0
         TAG=zero1 train_run idle-zero1 0.8B 32768 tilelang benchmark.kernel_timing=false deepspeed=zero1
         TAG=8k-profile train_run idle-8k-profile 0.8B 8192 tilelang benchmark.kernel_timing=false benchmark.profile_step=4
         ;;
+    step-time)
+        # issue 15's short rows as users run them: kernel timing off, 8192 (profiled at PROFILE_STEP=6) and 32768
+        TAG=step-time train_run step-time-8k 0.8B 8192 tilelang benchmark.kernel_timing=false \
+            benchmark.profile_step=${PROFILE_STEP:-6}
+        TAG=step-time train_run step-time-32k 0.8B 32768 tilelang benchmark.kernel_timing=false
+        ;;
     grad-checks)
         # ZeRO's gradient checks per tensor (DeepSpeed's) or in one pass (train/zero_step.py), 8192 and 32768
         for checks in true false; do
             TAG=onepass-$checks train_run "onepass-$checks-8k" 0.8B 8192 tilelang benchmark.kernel_timing=false \
-                deepspeed.one_pass_grad_checks=$checks benchmark.profile_step=${PROFILE_STEP:-12}
+                deepspeed.one_pass_grad_checks=$checks benchmark.profile_step=${PROFILE_STEP:-6}
             TAG=onepass-$checks train_run "onepass-$checks-32k" 0.8B 32768 tilelang benchmark.kernel_timing=false \
                 deepspeed.one_pass_grad_checks=$checks
         done

@@ -202,12 +202,26 @@ def check_parallel_layout(cfg: DictConfig, world_size: int) -> None:
         )
 
 
-def deepspeed_config(cfg: DictConfig, on_cuda: bool) -> dict:
+def without_gradient_hooks(cfg: DictConfig, data_parallel_size: int) -> bool:
+    """Whether ZeRO-1/2 runs as ZeRO-1 without per-parameter gradient hooks: on one data-parallel
+    rank there is nothing to partition or to reduce while the backward runs, and DeepSpeed's 320
+    hooks a step (Python inside the autograd engine, a copy each) only hold the GPU back: 1.32x at
+    8192 tokens on one H200 (docs/performance.md). With one micro-batch a step the gradients are the
+    same bf16 tensors either way; accumulating several is left to the hooks' path."""
+    ds = cfg.deepspeed
+    return (data_parallel_size == 1 and ds.zero_stage in (1, 2) and not ds.offload_optimizer
+            and cfg.train.gradient_accumulation == 1)
+
+
+def deepspeed_config(cfg: DictConfig, on_cuda: bool, data_parallel_size: int) -> dict:
     """The DeepSpeed config dict: one packed row per micro-batch; our own optimizer and schedule
-    unless the optimizer is offloaded (then DeepSpeed's CPU Adam)."""
+    unless the optimizer is offloaded (then DeepSpeed's CPU Adam). data_parallel_size: the ranks
+    holding the same parameters, over which ZeRO reduces gradients (dp x cp)."""
     train, ds = cfg.train, cfg.deepspeed
     zero: dict = {"stage": ds.zero_stage}
-    if ds.zero_stage > 0:
+    if without_gradient_hooks(cfg, data_parallel_size):
+        zero.update(stage=1, overlap_comm=False, contiguous_gradients=False)
+    elif ds.zero_stage > 0:
         zero.update(overlap_comm=on_cuda, contiguous_gradients=True)
     if ds.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": on_cuda}

@@ -333,15 +333,28 @@ def test_every_experiment_preset_composes_and_validates():
 
 
 def test_deepspeed_config_follows_the_groups():
-    config = deepspeed_config(_compose("deepspeed=zero3_offload", "train.gradient_accumulation=4"), on_cuda=True)
+    config = deepspeed_config(_compose("deepspeed=zero3_offload", "train.gradient_accumulation=4"), on_cuda=True,
+                              data_parallel_size=1)
     assert config["zero_optimization"]["stage"] == 3
     assert config["zero_optimization"]["offload_param"]["device"] == "cpu"
     assert config["optimizer"]["type"] == "AdamW" and config["gradient_accumulation_steps"] == 4
     assert config["bf16"]["enabled"] is True
-    merged = deepspeed_config(_compose("+deepspeed.overrides.zero_optimization.reduce_bucket_size=1000"), on_cuda=False)
-    assert merged["zero_optimization"] == {"stage": 2, "overlap_comm": False, "contiguous_gradients": True,
+    merged = deepspeed_config(_compose("+deepspeed.overrides.zero_optimization.reduce_bucket_size=1000"), on_cuda=True,
+                              data_parallel_size=2)
+    assert merged["zero_optimization"] == {"stage": 2, "overlap_comm": True, "contiguous_gradients": True,
                                            "reduce_bucket_size": 1000}
     assert "optimizer" not in merged
+    assert merged["timers"] == {"throughput": {"enabled": False}}  # it synchronises the device twice a step
+
+
+@pytest.mark.parametrize("stage", ["zero1", "zero2"])
+def test_one_data_parallel_rank_runs_zero_without_gradient_hooks(stage):
+    one_rank = deepspeed_config(_compose(f"deepspeed={stage}"), on_cuda=True, data_parallel_size=1)
+    assert one_rank["zero_optimization"] == {"stage": 1, "overlap_comm": False, "contiguous_gradients": False}
+    # where the hooks do a job: reducing over ranks, accumulating micro-batches, the offloaded optimizer
+    for overrides, ranks in (((), 2), (("train.gradient_accumulation=2",), 1), (("deepspeed=zero2_offload",), 1)):
+        config = deepspeed_config(_compose(f"deepspeed={stage}", *overrides), on_cuda=True, data_parallel_size=ranks)
+        assert config["zero_optimization"]["contiguous_gradients"] is True, (overrides, ranks)
 
 
 def test_lr_schedule_warms_up_then_decays_to_the_floor():
