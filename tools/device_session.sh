@@ -270,6 +270,8 @@ for metrics in "$LOGS"/metrics-*.jsonl; do
     [ -f "$metrics" ] || continue
     SUMMARY+=("$(basename "$metrics" .jsonl): $(grep run_summary "$metrics" | tail -1 | cut -c1-400)")
 done
+# a second script in the same call adds its logs to the first one's tarball
+[ -f "$OUT/logs.tgz" ] && tar -xzf "$OUT/logs.tgz" -C "$OUT"
 tar -czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"
 tar -czf "$OUT/tritoncache.tgz" -C /tmp "$(basename "$TRITON_CACHE_DIR")"
 {
