@@ -1,4 +1,5 @@
-"""train.zero_step against DeepSpeed's own ZeRO-2 gradient checks and a float64 norm (CPU, one rank)."""
+"""train.zero_step against DeepSpeed's own ZeRO-2 gradient checks and a float64 norm (CPU, one and
+two gloo ranks: the norm's all-reduce and a bad gradient on one rank skipping the step on all)."""
 import json
 import math
 import subprocess
@@ -12,13 +13,16 @@ from train.zero_step import streamline_zero_step
 HERE = Path(__file__).resolve().parent
 
 
-@pytest.fixture(scope="module")
-def cases(tmp_path_factory) -> dict:
+@pytest.fixture(scope="module", params=[1, 2], ids=["one_rank", "two_ranks"])
+def cases(request, tmp_path_factory) -> dict:
     workdir = tmp_path_factory.mktemp("zero_step")
-    result = subprocess.run([sys.executable, str(HERE / "zero_step_run.py")], capture_output=True, text=True,
+    launcher = [sys.executable] if request.param == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={request.param}"]
+    result = subprocess.run(launcher + [str(HERE / "zero_step_run.py")], capture_output=True, text=True,
                             timeout=300, cwd=workdir)
     assert result.returncode == 0, result.stderr[-4000:]
     rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == 12 and all(r["world"] == request.param for r in rows)
     return {(r["dtype"], r["streamlined"], r["poison"]): r for r in rows}
 
 

@@ -1,8 +1,10 @@
 """DeepSpeed ZeRO-2 engines on CPU (one gloo rank), for tests/train/test_zero_step.py: one step on
 a small model with DeepSpeed's own gradient checks and with train.zero_step's, in float32 and
-bfloat16, with every gradient finite and with one entry NaN or inf. One JSON line per case.
+bfloat16, with every gradient finite and with one entry NaN or inf (on the last rank only). One
+JSON line per case, from rank 0. Each rank takes its share of one batch, so the averaged gradient is
+the whole batch's at any world size.
 
-    python tests/train/zero_step_run.py"""
+    python tests/train/zero_step_run.py   (or under torchrun, several ranks)"""
 import json
 import sys
 from pathlib import Path
@@ -21,11 +23,13 @@ def one_step(dtype_name: str, streamlined: bool, poison: str) -> dict:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(48, 96), torch.nn.Tanh(), torch.nn.Linear(96, 40),
                                 torch.nn.LayerNorm(40), torch.nn.Linear(40, 7))
-    x = torch.randn(32, 48)
-    # the gradient norm in float64 of the same loss, on a float64 copy of the model
+    batch = torch.randn(64, 48)
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    x = batch.chunk(world)[rank]
+    # the gradient norm in float64 of the whole batch's loss, on a float64 copy of the model
     reference = [p.detach().double().requires_grad_() for p in model.parameters()]
     copy64 = torch.func.functional_call(
-        model.double(), dict(zip([n for n, _ in model.named_parameters()], reference)), (x.double(),))
+        model.double(), dict(zip([n for n, _ in model.named_parameters()], reference)), (batch.double(),))
     grads64 = torch.autograd.grad((copy64 ** 2).mean() * 50, reference)
     reference_norm = torch.stack([g.norm() for g in grads64]).norm().item()
     model.float()
@@ -39,7 +43,7 @@ def one_step(dtype_name: str, streamlined: bool, poison: str) -> dict:
     before = [p.detach().float().clone() for p in engine.module.parameters()]
     out = engine(x.to(dtype))
     loss = (out.float() ** 2).mean() * 50
-    if poison != "none":
+    if poison != "none" and rank == world - 1:
         bad = float(poison)
         # one entry of the last layer's bias gradient becomes bad, the rest stay finite
         engine.module[-1].bias.register_hook(lambda g: g.index_fill(0, torch.tensor([3]), bad))
@@ -48,7 +52,7 @@ def one_step(dtype_name: str, streamlined: bool, poison: str) -> dict:
     after = [p.detach().float() for p in engine.module.parameters()]
     norm = engine.get_global_grad_norm()
     return {
-        "dtype": dtype_name, "streamlined": streamlined, "poison": poison, "reason": reason,
+        "dtype": dtype_name, "world": world, "streamlined": streamlined, "poison": poison, "reason": reason,
         "norm": None if norm is None else float(norm),
         "reference_norm": reference_norm,
         "skipped_steps": engine.skipped_steps,
@@ -65,4 +69,6 @@ if __name__ == "__main__":
     for dtype_name in ("float32", "bfloat16"):
         for streamlined in (False, True):
             for poison in ("none", "nan", "inf"):
-                print(json.dumps(one_step(dtype_name, streamlined, poison)), flush=True)
+                row = one_step(dtype_name, streamlined, poison)
+                if torch.distributed.get_rank() == 0:
+                    print(json.dumps(row), flush=True)
