@@ -431,10 +431,18 @@ def load_checkpoint(engine, point: ResumePoint, tp_size: int) -> TrainerState:
     return TrainerState(**{k: v for k, v in client_state["trainer_state"].items() if k in known})
 
 
-def check_resume_point(point: ResumePoint, tp_size: int, steps: int) -> None:
+def check_resume_point(point: ResumePoint, tp_size: int, steps: int, world_size: int) -> None:
     """ConfigError where this run cannot continue from `point`: checked before anything is written."""
     tag_dir = point.checkpoints_dir / point.tag
     _check_tensor_parallel_size(tag_dir, tp_size)
+    saved_partitions = _optimizer_partitions_of(tag_dir)
+    if saved_partitions is not None and saved_partitions != world_size // tp_size:
+        raise ConfigError(
+            f"train.resume: checkpoint {tag_dir} holds ZeRO optimizer state partitioned over {saved_partitions} "
+            f"rank(s) (the world size over parallel.tp), this run has {world_size // tp_size} (world size "
+            f"{world_size}, parallel.tp={tp_size}); DeepSpeed cannot repartition it: resume with world size "
+            f"{saved_partitions * tp_size}"
+        )
     if (tag_dir / MANIFEST_FILE).is_file():
         saved_step = read_manifest(tag_dir)["step"]
         if saved_step > steps:
@@ -449,7 +457,7 @@ def _check_tensor_parallel_size(tag_dir: Path, tp_size: int) -> None:
     if saved_tp is not None and saved_tp != tp_size:
         raise ConfigError(
             f"train.resume: checkpoint {tag_dir} holds parallel.tp={saved_tp} shards, this "
-            f"run has parallel.tp={tp_size}; resume with parallel.tp={saved_tp} (the data-parallel size may change)"
+            f"run has parallel.tp={tp_size}; resume with parallel.tp={saved_tp}"
         )
 
 
@@ -574,6 +582,13 @@ def _tensor_parallel_size_of(tag_dir: Path) -> int | None:
     """How many tensor-parallel ranks wrote a DeepSpeed checkpoint: one model file per rank,
     named ...mp_rank_NN_model_states.pt."""
     ranks = {path.name.split("mp_rank_")[1][:2] for path in tag_dir.glob("*mp_rank_*_model_states.pt")}
+    return len(ranks) or None
+
+
+def _optimizer_partitions_of(tag_dir: Path) -> int | None:
+    """Over how many ranks ZeRO partitioned a checkpoint's optimizer state (data x context parallel):
+    one file per partition and tensor-parallel rank, named ...zero_pp_rank_N_mp_rank_NN_optim_states.pt."""
+    ranks = {path.name.split("zero_pp_rank_")[1].split("_")[0] for path in tag_dir.glob("*zero_pp_rank_*_optim_states.pt")}
     return len(ranks) or None
 
 

@@ -178,7 +178,7 @@ def preflight(cfg: DictConfig) -> ResumePoint | None:
                 message = f"train.resume={cfg.train.resume!r}: {message}"
             raise ConfigError(message) from error
         if resume_point is not None:
-            check_resume_point(resume_point, cfg.parallel.tp, cfg.train.steps)
+            check_resume_point(resume_point, cfg.parallel.tp, cfg.train.steps, int(os.environ.get("WORLD_SIZE", 1)))
     if cfg.run_dir is not None and cfg.train.resume is None and not cfg.train.overwrite:
         found = [name for name in RUN_MARKERS if (Path(str(cfg.run_dir)) / name).exists()]
         if found:

@@ -171,6 +171,20 @@ def test_resuming_with_another_tp_names_both_sizes(tp2_resumed_run):
         load_checkpoint(None, point, tp_size=1)
 
 
+def test_resuming_on_another_data_parallel_size_is_refused_before_anything_runs(tp2_resumed_run, cp2_resumed_run):
+    from train.checkpoint import check_resume_point, find_resume_point
+
+    tp2, cp2 = find_resume_point(str(tp2_resumed_run), None), find_resume_point(str(cp2_resumed_run), None)
+    check_resume_point(tp2, tp_size=2, steps=STEPS, world_size=2)  # as saved: one partition per tp rank
+    check_resume_point(cp2, tp_size=1, steps=STEPS, world_size=2)  # cp = 2: two partitions
+    # DeepSpeed would refuse only after the model and engine are built, with the state unrepartitioned
+    with pytest.raises(ConfigError, match=r"^train.resume: .* partitioned over 1 rank\(s\).*this run has 2 .*"
+                                          r"resume with world size 2$"):
+        check_resume_point(tp2, tp_size=2, steps=STEPS, world_size=4)
+    with pytest.raises(ConfigError, match=r"partitioned over 2 rank\(s\).*this run has 1 .*resume with world size 2$"):
+        check_resume_point(cp2, tp_size=1, steps=STEPS, world_size=1)
+
+
 def test_save_pretrained_refuses_a_sharded_model(tmp_path):
     from qwen_hybrid import QwenHybridConfig, QwenHybridForCausalLM
     from qwen_hybrid.parallel import plan_tensor_parallel
