@@ -36,6 +36,8 @@ def why_not_streamlined(optimizer) -> str | None:
     for attribute in ("check_overflow", "get_grad_norm_direct", "check_grad_overflow", "dp_process_group"):
         if not hasattr(optimizer, attribute):
             return f"this DeepSpeed's ZeRO optimizer has no {attribute!r} (a version this was not written for)"
+    if not getattr(optimizer, "compute_grad_norm", True):
+        return "the gradient norm is off (zero_optimization.compute_grad_norm=false): the overflow check is the only guard"
     if optimizer.cpu_offload:
         return "the optimizer is offloaded (its norm is computed on the CPU)"
     if getattr(optimizer, "has_moe_layers", False):

@@ -14,6 +14,21 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
+def reason_without_norm() -> str | None:
+    """What streamline_zero_step says to an engine that computes no gradient norm."""
+    import deepspeed
+
+    from train.zero_step import streamline_zero_step
+
+    model = torch.nn.Linear(8, 8)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.AdamW(model.parameters()),
+        config={"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0, "steps_per_print": 2**31 - 1,
+                "zero_optimization": {"stage": 2, "compute_grad_norm": False}},
+        dist_init_required=False)
+    return streamline_zero_step(engine.optimizer)
+
+
 def one_step(dtype_name: str, streamlined: bool, poison: str) -> dict:
     import deepspeed
 
@@ -66,6 +81,9 @@ if __name__ == "__main__":
     from train.pretrain import init_distributed
 
     init_distributed()
+    reason = reason_without_norm()
+    if torch.distributed.get_rank() == 0:
+        print(json.dumps({"without_norm": reason}), flush=True)
     for dtype_name in ("float32", "bfloat16"):
         for streamlined in (False, True):
             for poison in ("none", "nan", "inf"):
