@@ -578,18 +578,22 @@ def _rank_zero_succeeds(work, what: str) -> None:
         raise CheckpointError(f"{what} failed on rank 0: {outcome[0]}")
 
 
+def _distinct_ranks(tag_dir: Path, files: str, prefix: str) -> int | None:
+    """How many distinct rank numbers follow `prefix` in the names of a checkpoint's `files` (a glob)."""
+    ranks = {path.name.split(prefix)[1].split("_")[0] for path in tag_dir.glob(files)}
+    return len(ranks) or None
+
+
 def _tensor_parallel_size_of(tag_dir: Path) -> int | None:
     """How many tensor-parallel ranks wrote a DeepSpeed checkpoint: one model file per rank,
     named ...mp_rank_NN_model_states.pt."""
-    ranks = {path.name.split("mp_rank_")[1][:2] for path in tag_dir.glob("*mp_rank_*_model_states.pt")}
-    return len(ranks) or None
+    return _distinct_ranks(tag_dir, "*mp_rank_*_model_states.pt", "mp_rank_")
 
 
 def _optimizer_partitions_of(tag_dir: Path) -> int | None:
     """Over how many ranks ZeRO partitioned a checkpoint's optimizer state (data x context parallel):
     one file per partition and tensor-parallel rank, named ...zero_pp_rank_N_mp_rank_NN_optim_states.pt."""
-    ranks = {path.name.split("zero_pp_rank_")[1].split("_")[0] for path in tag_dir.glob("*zero_pp_rank_*_optim_states.pt")}
-    return len(ranks) or None
+    return _distinct_ranks(tag_dir, "*zero_pp_rank_*_optim_states.pt", "zero_pp_rank_")
 
 
 def _rng_state() -> dict:

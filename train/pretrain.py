@@ -352,7 +352,7 @@ def build_engine(cfg: DictConfig, model: QwenHybridForCausalLM, device: torch.de
         lr_scheduler=lambda optimizer: warmup_cosine_scheduler(
             optimizer, train_cfg.warmup_steps, train_cfg.steps, train_cfg.min_lr_ratio
         ),
-        config=deepspeed_config(cfg, on_cuda=device.type == "cuda", data_parallel_size=groups.dp_size * groups.cp_size),
+        config=deepspeed_config(cfg, on_cuda=device.type == "cuda", data_parallel_size=groups.get_data_parallel_world_size()),
         dist_init_required=False,
         # ZeRO partitions and averages over the ranks holding equal parameters (dp x cp); the gradient
         # norm counts each tensor-parallel shard once
@@ -437,7 +437,7 @@ def setup(cfg: DictConfig, resume_point: ResumePoint | None) -> Run:
             f"{world_size} rank(s) on {device.type} (tensor parallel {cfg.parallel.tp} x context parallel {cfg.parallel.cp}"
             f"{', sequence parallel' if cfg.parallel.sequence_parallel and cfg.parallel.tp > 1 else ''} x data parallel "
             f"{groups.dp_size}), ZeRO-{cfg.deepspeed.zero_stage}"
-            f"{' (as ZeRO-1 without gradient hooks: one data-parallel rank)' if without_gradient_hooks(cfg, groups.dp_size * groups.cp_size) else ''}, "
+            f"{' (as ZeRO-1 without gradient hooks: one data-parallel rank)' if without_gradient_hooks(cfg, groups.get_data_parallel_world_size()) else ''}, "
             f"{cfg.train.precision}, "
             f"data {dataset.path} ({dataset.num_tokens} tokens)"
         )
