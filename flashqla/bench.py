@@ -389,7 +389,33 @@ def compare_conv(rep_ms: int):
                {name: _median_ms(lambda: step(run), rep_ms, grad_to_none=[x, weight]) for name, run in variants.items()})
 
 
-COMPARISONS = {"keep_forward": compare_keep_forward, "grouped_products": compare_grouped_products, "conv": compare_conv}
+def compare_onchip_forward(rep_ms: int):
+    """The Hopper forward (hopper.forward, bench inputs, no autograd) with its products kernel and
+    walk against the candidate walk that builds Ab and P on chip (fused_forward_onchip.py), with the
+    V block capped at 64 (what the backward's plan takes) and at 128; and at 16/16 (the 0.8B
+    model's layer) both keeping what the backward reads, states left out ("products")."""
+    from flashqla.hopper.forward import forward
+
+    shapes = (((16, 64), [32768]), ((16, 64), [8192] * 4), ((16, 16), [32768]), ((16, 16), [131072]),
+              ((2, 8), [32768]), ((2, 8), [131072]), ((8, 8), [131072]))
+    for heads, lengths in shapes:
+        x = make_inputs(heads, lengths)
+        args = (x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["initial_state"], True, x["cu_seqlens"])
+        host = dict(cu_seqlens_host=x["cu_seqlens_cpu"].tolist())
+        variants = {"products kernel + walk": dict(),
+                    "on chip, BV <= 64": dict(products_on_chip=True),
+                    "on chip, BV <= 128": dict(products_on_chip=True, max_value_block=128)}
+        if heads == (16, 16):
+            keep = dict(keep_for_backward=True, keep_chunk_states=False)
+            variants.update({"keeping products": keep, "on chip, keeping products": dict(keep, products_on_chip=True)})
+        with torch.no_grad():
+            times = {name: _median_ms(lambda: forward(*args, **host, **kwargs), rep_ms)
+                     for name, kwargs in variants.items()}
+        yield f"{heads[0]}/{heads[1]} {'+'.join(map(str, lengths)) if len(lengths) < 3 else f'{lengths[0]}x{len(lengths)}'}", times
+
+
+COMPARISONS = {"keep_forward": compare_keep_forward, "grouped_products": compare_grouped_products, "conv": compare_conv,
+               "onchip_forward": compare_onchip_forward}
 
 
 def run_comparisons(names: list[str], rep_ms: int, json_path: str | None) -> None:

@@ -153,6 +153,22 @@ def compile_ours(shapes, like_the_model: bool = False, with_initial_state: bool 
         print(f"ours {name} ({variant}): {time.time() - started:.0f} s", flush=True)
 
 
+def compile_onchip_walks() -> None:
+    """The candidate forward walk (flashqla/hopper/fused_forward_onchip.py) and the inverse-only grouped
+    kernel in the specialisations its GPU tests and `flashqla.bench --compare onchip_forward` use
+    (head counts and lengths are run-time arguments of both)."""
+    from flashqla.hopper.fused_forward_onchip import compile_fused_forward_onchip
+    from flashqla.hopper.grouped_products import compile_grouped_products
+
+    started = time.time()
+    for dtype, beta_dtype in (("bfloat16", "float32"), ("bfloat16", "bfloat16"), ("float16", "float32")):
+        compile_grouped_products(128, dtype, beta_dtype, write_products=False)
+        for value_block in (32, 64, 128):
+            for states, products in ((False, False), (True, True), (False, True)):
+                compile_fused_forward_onchip(value_block, dtype, beta_dtype, 128, states, products)
+    print(f"ours, on-chip walks: {time.time() - started:.0f} s", flush=True)
+
+
 def compile_checks() -> None:
     """One representative specialisation of every kernel of ours (flashqla/hopper/compile_check.py,
     what CI compiles)."""
@@ -254,6 +270,7 @@ def main(argv=None) -> None:
             # a group of 16 value heads per qk head: the per-value-head products kernel
             compile_ours([("1/16 4096", (1, 16), [4096])])
             compile_checks()
+            compile_onchip_walks()
             from flashqla.hopper.causal_conv import compile_conv_backward, compile_conv_forward
 
             for conv_dtype in ("float16", "float32"):  # tests/flashqla/test_causal_conv.py (bfloat16: the checks)

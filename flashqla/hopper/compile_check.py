@@ -16,6 +16,7 @@ from flashqla.hopper.causal_conv import compile_conv_backward, compile_conv_forw
 from flashqla.hopper.chunk_states import compile_chunk_states
 from flashqla.hopper.cumsum import compile_cumsum
 from flashqla.hopper.fused_forward import compile_fused_forward
+from flashqla.hopper.fused_forward_onchip import compile_fused_forward_onchip
 from flashqla.hopper.gated_products import compile_gated_products
 from flashqla.hopper.grouped_products import compile_grouped_products
 from flashqla.hopper.inverse import compile_inverse
@@ -26,6 +27,10 @@ COMPILE_CHECKS = [
     ("gated_products", lambda: compile_gated_products()),
     ("fused_forward", lambda: compile_fused_forward(64)),
     ("fused_forward_keeping_states", lambda: compile_fused_forward(64, store_chunk_states=True)),
+    ("fused_forward_onchip", lambda: compile_fused_forward_onchip(64)),
+    ("fused_forward_onchip_keeping_all", lambda: compile_fused_forward_onchip(128, store_chunk_states=True,
+                                                                                store_products=True)),
+    ("grouped_inverse", lambda: compile_grouped_products(write_products=False)),
     ("chunk_states", lambda: compile_chunk_states(64, with_transition=True)),
     ("grouped_products", lambda: compile_grouped_products()),
     ("grouped_products_with_inverse", lambda: compile_grouped_products(write_inverse=True)),

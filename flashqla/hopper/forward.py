@@ -16,7 +16,10 @@ from flashqla.hopper.chunk_plan import ForwardPlan, device_sm_count, flat_cu_seq
 from flashqla.hopper.common import DEFAULT_LOG_DECAY_THRESHOLD, unsupported_inputs
 from flashqla.hopper.cumsum import chunk_local_cumsum
 from flashqla.hopper.fused_forward import MAX_VALUE_BLOCK, fused_forward
+from flashqla.hopper.fused_forward_onchip import fused_forward_onchip
 from flashqla.hopper.gated_products import gated_products
+from flashqla.hopper.grouped_products import MAX_GROUP_SIZE, grouped_inverse
+from flashqla.hopper.inverse import gate_free_inverse
 
 
 class KeptForward(NamedTuple):
@@ -34,7 +37,8 @@ class KeptForward(NamedTuple):
 
 def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
             log_decay_threshold: float = DEFAULT_LOG_DECAY_THRESHOLD, cu_seqlens_host: list[int] | None = None,
-            keep_for_backward: bool = False, keep_chunk_states: bool = True):
+            keep_for_backward: bool = False, keep_chunk_states: bool = True, products_on_chip: bool = False,
+            max_value_block: int = MAX_VALUE_BLOCK):
     """(o, final_state or None) for q, k [B, T, Hqk, 128], v [B, T, Hv, 128], g, beta [B, T, Hv]
     (q, k already L2-normalised when asked), with a KeptForward third when keep_for_backward.
 
@@ -45,6 +49,9 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
     keep_for_backward: also return a KeptForward, which `backward.backward(..., kept=...)` takes
     instead of recomputing the inverse, the products and the chunk states; keep_chunk_states=False
     leaves the states out of it (T * Hv * 512 bytes).
+    products_on_chip: the candidate walk of fused_forward_onchip.py, which builds Ab and P itself
+    from A~ (same outputs and KeptForward); max_value_block: the widest V block the plan may take
+    (the backward's plan is built at MAX_VALUE_BLOCK: only a forward that keeps nothing may widen it).
     """
     reason = unsupported_inputs(q, v)
     if reason is not None:
@@ -68,14 +75,31 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
     if g.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         g = g.float()
 
-    plan = plan_forward(cu_seqlens, num_v_heads, head_dim, device_sm_count(q.device), MAX_VALUE_BLOCK,
+    plan = plan_forward(cu_seqlens, num_v_heads, head_dim, device_sm_count(q.device), max_value_block,
                         host_bounds=cu_seqlens_host)
     gamma = chunk_local_cumsum(g.reshape(1, num_tokens, num_v_heads), cu_seqlens, chunk_index=plan.chunk_index)
     gamma = gamma.view(num_tokens, num_v_heads)
-    gated_inverse, scores, inverse = gated_products(q_flat, k_flat, gamma, beta_flat, scale, cu_seqlens,
-                                                    plan.chunk_index, with_inverse=keep_for_backward)
     h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
     keeps_states = keep_for_backward and keep_chunk_states
+    if products_on_chip:
+        if num_v_heads // num_qk_heads <= MAX_GROUP_SIZE:
+            inverse = grouped_inverse(k_flat, gamma, beta_flat, cu_seqlens, plan.chunk_index)
+        else:
+            inverse = gate_free_inverse(k_flat.unsqueeze(0), beta_flat.unsqueeze(0), cu_seqlens,
+                                        chunk_index=plan.chunk_index).view(num_tokens, num_v_heads, -1).to(q.dtype)
+        walk = walk_starts(plan.pieces, cu_seqlens, gamma, log_decay_threshold, plan.max_walk_back,
+                           walk_index=plan.walk_index)
+        o, final_state, chunk_states, gated_inverse, scores = fused_forward_onchip(
+            q_flat, k_flat, v_flat, gamma, beta_flat, inverse, scale, h0, cu_seqlens, plan.value_block, plan.pieces,
+            walk, store_chunk_states=keeps_states, store_products=keep_for_backward, offsets=plan.chunk_offsets,
+            num_chunks=plan.chunk_index.shape[0])
+        o = o.view(batch_size, seq_len, num_v_heads, head_dim)
+        final_state = final_state if output_final_state else None
+        if keep_for_backward:
+            return o, final_state, KeptForward(gamma, gated_inverse, scores, inverse, chunk_states)
+        return o, final_state
+    gated_inverse, scores, inverse = gated_products(q_flat, k_flat, gamma, beta_flat, scale, cu_seqlens,
+                                                    plan.chunk_index, with_inverse=keep_for_backward)
     o, final_state, chunk_states = walk_chunks(q_flat, k_flat, v_flat, gamma, gated_inverse, scores, scale, h0,
                                                cu_seqlens, plan, log_decay_threshold, store_chunk_states=keeps_states)
     o = o.view(batch_size, seq_len, num_v_heads, head_dim)

@@ -23,8 +23,9 @@ No T.Pipelined loop: every load is a plain synchronous copy, so there is no prod
 import functools
 
 import tilelang.language as T
+import torch
 
-from flashqla.hopper.common import CHUNK_SIZE, HEAD_DIM, LOG2E, compile_for_hopper
+from flashqla.hopper.common import CHUNK_SIZE, HEAD_DIM, LOG2E, compile_for_hopper, dtype_name
 
 _THREADS = 128
 _C = CHUNK_SIZE
@@ -40,12 +41,17 @@ MAX_GROUP_SIZE = 8
 
 
 def grouped_products_program(head_dim: int = HEAD_DIM, dtype: str = "bfloat16", beta_dtype: str = "float32",
-                             min_blocks_per_sm: int = MIN_BLOCKS_PER_SM, write_inverse: bool = False):
+                             min_blocks_per_sm: int = MIN_BLOCKS_PER_SM, write_inverse: bool = False,
+                             write_products: bool = True):
     """min_blocks_per_sm caps registers for that many resident CTAs (4: 128 registers, ~112 bytes
     spilled; 3: 168, none); the device test times both. write_inverse: also store the gate-free
-    inverse A~ itself (the backward reads it), else `inverse` may be a [1, Hv, 64] placeholder."""
+    inverse A~ itself (the backward reads it), else `inverse` may be a [1, Hv, 64] placeholder.
+    write_products=False stores A~ only (q is not read; gated_inverse and scores may be [1, Hv, 64]
+    placeholders): what the forward walk of fused_forward_onchip.py builds its products from."""
+    write_inverse = write_inverse or not write_products
     num_tokens = T.dynamic("num_tokens")
     inverse_rows = T.dynamic("inverse_rows")
+    product_rows = T.dynamic("product_rows")
     num_sequences = T.dynamic("num_sequences")
     num_chunks = T.dynamic("num_chunks")
     num_v_heads = T.dynamic("num_v_heads")
@@ -59,8 +65,8 @@ def grouped_products_program(head_dim: int = HEAD_DIM, dtype: str = "bfloat16", 
         beta: T.Tensor((num_tokens, num_v_heads), beta_dtype),
         cu_seqlens: T.Tensor((num_sequences + 1,), "int32"),
         chunk_index: T.Tensor((num_chunks, 2), "int32"),
-        gated_inverse: T.Tensor((num_tokens, num_v_heads, _C), dtype),
-        scores: T.Tensor((num_tokens, num_v_heads, _C), dtype),
+        gated_inverse: T.Tensor((product_rows, num_v_heads, _C), dtype),
+        scores: T.Tensor((product_rows, num_v_heads, _C), dtype),
         inverse: T.Tensor((inverse_rows, num_v_heads, _C), dtype),
         scale: T.float32,
     ):
@@ -98,18 +104,22 @@ def grouped_products_program(head_dim: int = HEAD_DIM, dtype: str = "bfloat16", 
 
             for t, d in T.Parallel(_C, head_dim):
                 k_shared[t, d] = T.if_then_else(t < length, k[start + t, qk_head, d], T.cast(0, dtype))
-                q_shared[t, d] = T.if_then_else(t < length, q[start + t, qk_head, d], T.cast(0, dtype))
+            if write_products:
+                for t, d in T.Parallel(_C, head_dim):
+                    q_shared[t, d] = T.if_then_else(t < length, q[start + t, qk_head, d], T.cast(0, dtype))
             for member, t in T.Parallel(MAX_GROUP_SIZE, _C):
                 in_group = (member < group_size) & (t < length)
-                gamma_group[member, t] = T.if_then_else(
-                    in_group, gamma[start + t, qk_head * group_size + member], 0.0) * LOG2E
+                if write_products:
+                    gamma_group[member, t] = T.if_then_else(
+                        in_group, gamma[start + t, qk_head * group_size + member], 0.0) * LOG2E
                 beta_group[member, t] = T.if_then_else(
                     in_group, T.cast(beta[start + t, qk_head * group_size + member], "float32"), 0.0)
             T.gemm(k_shared, k_shared, gram, transpose_B=True, clear_accum=True)
-            T.gemm(q_shared, k_shared, qk, transpose_B=True, clear_accum=True)
+            if write_products:
+                T.gemm(q_shared, k_shared, qk, transpose_B=True, clear_accum=True)
 
             # Scores of the whole group first, so Q K^T and K K^T are never both held in registers.
-            for member in T.serial(group_size):
+            for member in T.serial(group_size if write_products else 0):
                 head = qk_head * group_size + member
                 for t, s in T.Parallel(_C, _C):
                     out_shared[t, s] = T.if_then_else(
@@ -121,8 +131,10 @@ def grouped_products_program(head_dim: int = HEAD_DIM, dtype: str = "bfloat16", 
             for member in T.serial(group_size):
                 head = qk_head * group_size + member
                 for t in T.Parallel(_C):
-                    gamma_shared[t] = gamma_group[member, t]
                     beta_shared[t] = beta_group[member, t]
+                if write_products:
+                    for t in T.Parallel(_C):
+                        gamma_shared[t] = gamma_group[member, t]
                 # L = StrictLower(diag(beta) K K^T): its diagonal blocks to diag_lower, the rest to rhs.
                 # rhs's diagonal blocks get D from the solve: D L keeps only blocks below the diagonal,
                 # D_ii L_ij, which do not read them, and D is where the iteration starts.
@@ -169,22 +181,42 @@ def grouped_products_program(head_dim: int = HEAD_DIM, dtype: str = "bfloat16", 
                         if i < length:
                             inverse[start + i, head, j] = out_shared[i, j]
                 # Last iteration: A~ = D - N Y straight into the gated, beta-scaled output.
-                for t, s in T.Parallel(_C, _C):
-                    out_shared[t, s] = T.if_then_else(
-                        s <= t,
-                        T.exp2(gamma_shared[t] - gamma_shared[s]) * beta_shared[s] * (T.if_then_else(
-                            t // _BLOCK == s // _BLOCK, diag_inverse[t // _BLOCK, t % _BLOCK, s % _BLOCK], 0.0)
-                            - product[t, s]),
-                        0.0)
-                for i, j in T.Parallel(_C, _C):
-                    if i < length:
-                        gated_inverse[start + i, head, j] = out_shared[i, j]
+                if write_products:
+                    for t, s in T.Parallel(_C, _C):
+                        out_shared[t, s] = T.if_then_else(
+                            s <= t,
+                            T.exp2(gamma_shared[t] - gamma_shared[s]) * beta_shared[s] * (T.if_then_else(
+                                t // _BLOCK == s // _BLOCK, diag_inverse[t // _BLOCK, t % _BLOCK, s % _BLOCK], 0.0)
+                                - product[t, s]),
+                            0.0)
+                    for i, j in T.Parallel(_C, _C):
+                        if i < length:
+                            gated_inverse[start + i, head, j] = out_shared[i, j]
 
     return grouped_products_kernel
 
 
 @functools.lru_cache(maxsize=None)
 def compile_grouped_products(head_dim: int = HEAD_DIM, dtype: str = "bfloat16", beta_dtype: str = "float32",
-                             min_blocks_per_sm: int = MIN_BLOCKS_PER_SM, write_inverse: bool = False):
-    program = grouped_products_program(head_dim, dtype, beta_dtype, min_blocks_per_sm, write_inverse)
+                             min_blocks_per_sm: int = MIN_BLOCKS_PER_SM, write_inverse: bool = False,
+                             write_products: bool = True):
+    program = grouped_products_program(head_dim, dtype, beta_dtype, min_blocks_per_sm, write_inverse, write_products)
     return compile_for_hopper(program, fast_math=True)
+
+
+def grouped_inverse(k: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor,
+                    chunk_index: torch.Tensor) -> torch.Tensor:
+    """The gate-free inverse A~ of every chunk and value head, [T, Hv, 64] in k's dtype, by the grouped
+    kernel's solve alone (Hv / Hqk <= MAX_GROUP_SIZE): k [T, Hqk, K]; gamma (not read, it only
+    fixes the shapes), beta [T, Hv]."""
+    num_tokens, num_qk_heads, head_dim = k.shape
+    num_v_heads = beta.shape[1]
+    if num_v_heads // num_qk_heads > MAX_GROUP_SIZE:
+        raise ValueError(f"grouped_inverse serves at most {MAX_GROUP_SIZE} value heads per qk head, "
+                         f"got Hv={num_v_heads}, Hqk={num_qk_heads}")
+    inverse = torch.empty(num_tokens, num_v_heads, _C, dtype=k.dtype, device=k.device)
+    if chunk_index.shape[0] > 0:
+        placeholder = torch.empty(1, num_v_heads, _C, dtype=k.dtype, device=k.device)
+        kernel = compile_grouped_products(head_dim, dtype_name(k), dtype_name(beta), write_products=False)
+        kernel(k, k, gamma, beta, cu_seqlens, chunk_index, placeholder, placeholder, inverse, 1.0)
+    return inverse

@@ -24,3 +24,27 @@ def test_fused_forward_uses_hopper_instructions():
 
     source = compile_fused_forward(64).get_kernel_source()
     assert "wgmma" in source and "tma_load" in source
+
+
+@pytest.mark.parametrize("value_block", [64, 128])
+def test_onchip_walk_is_warp_specialised_without_block_barriers(value_block):
+    """The walk of fused_forward_onchip.py: warpgroups that meet only on mbarriers and named partial
+    barriers (a __syncthreads() inside a role would deadlock: the others never reach it), register
+    budgets that fit the SM, and no barrier at the top of an unrolled element loop (what TileLang
+    emits for a shared buffer updated in place)."""
+    import re
+
+    from flashqla.hopper.fused_forward_onchip import compile_fused_forward_onchip
+
+    source = compile_fused_forward_onchip(value_block, store_chunk_states=True, store_products=True).get_kernel_source()
+    assert source.count("__syncthreads()") == 1, "only the one after the mbarrier init"
+    assert source.index("__syncthreads()") < source.index("threadIdx.x) < 128")
+    raised = [int(n) for n in re.findall(r"warpgroup_reg_alloc<(\d+)>", source)]
+    lowered = [int(n) for n in re.findall(r"warpgroup_reg_dealloc<(\d+)>", source)]
+    assert len(raised) == 3 and len(lowered) == 1
+    assert 128 * (sum(raised) + sum(lowered)) <= 65536
+    lines = source.splitlines()
+    barrier_loops = [i for i, line in enumerate(lines[:-1])
+                     if line.strip().startswith("for (") and "__sync_thread_partial" in lines[i + 1]]
+    assert not barrier_loops, [lines[i].strip() for i in barrier_loops]
+    assert "wgmma" in source and "tma_load" in source

@@ -1,0 +1,356 @@
+"""The forward's walk with the chunk products built on chip (candidate: not reachable from the public op).
+
+Same math as fused_forward.py (docs/gdn-math.md §2.3): per (piece, value head, V block) CTA a walk
+over 64-token chunks with the fp32 state S (K x BV) in registers,
+
+    U = K S0;  W = V - D U;  Delta = Ab W;  O = scale D Q S0 + P Delta;  S1 = e^{gamma_C} S0 + K^T (E Delta)
+
+but Ab = Gm * A~ * beta_col and P = scale Gm * tril(Q K^T) are made inside the walk from the
+gate-free inverse A~ (one [T, Hv, 64] tensor read instead of Ab and P: no products kernel, no
+round trip of both through HBM), and the work of a chunk is spread over three math warpgroups
+and a producer warpgroup (512 threads, one CTA per SM):
+
+- warpgroup 0 holds S: writes it to shared for the others, decays it, adds K^T (E Delta);
+- warpgroup 1 makes the decays, U, W (in place of V), Delta and E Delta;
+- warpgroup 2 makes Ab (in place of A~) and P, then O = scale D Q S0 + P Delta;
+- warpgroup 3: one warp each loads q/k, v/beta and A~/gamma (double-buffered, TMA for the tiles),
+  the fourth stores o, the chunk states and, for the backward, Ab and P.
+
+Every warpgroup and the store warp meet at the start of each chunk (`chunk_start`), so a buffer
+that is not double-buffered is rewritten only after every reader of the chunk before is done,
+and no per-chunk mbarrier can complete twice before all its waiters have seen it complete once.
+
+Pieces, warm-up walks and tiles past a sequence end work as in fused_forward.py.
+"""
+
+import functools
+from types import SimpleNamespace
+
+import tilelang.language as T
+import torch
+
+from flashqla.hopper.chunk_plan import PIECE_FIELDS, chunk_offsets
+from flashqla.hopper.common import CHUNK_SIZE, HEAD_DIM, LOG2E, compile_for_hopper, dtype_name
+
+_C = CHUNK_SIZE
+_WARPGROUP = 128
+_THREADS = 4 * _WARPGROUP
+_MATH_REGISTERS = 152
+
+
+def _register_split(value_block: int) -> tuple[int, int]:
+    """(producer, state warpgroup) registers per thread after setmaxnreg, beside _MATH_REGISTERS for the
+    other two: 4 x 128 threads must fit the SM's 64K. S alone takes BV of the state warpgroup's; the
+    producer spills below 56 at BV <= 64 (ptxas, sm_90a)."""
+    return (40, 168) if value_block > 64 else (56, 152)
+MAX_VALUE_BLOCK = 128
+
+
+def fused_forward_onchip_program(value_block: int, dtype: str = "bfloat16", beta_dtype: str = "float32",
+                                 head_dim: int = HEAD_DIM, store_chunk_states: bool = False,
+                                 store_products: bool = False):
+    num_tokens = T.dynamic("num_tokens")
+    num_sequences = T.dynamic("num_sequences")
+    num_pieces = T.dynamic("num_pieces")
+    num_chunks = T.dynamic("num_chunks")
+    product_rows = T.dynamic("product_rows")
+    num_v_heads = T.dynamic("num_v_heads")
+    num_qk_heads = T.dynamic("num_qk_heads")
+    K = head_dim
+    BV = value_block
+    value_blocks = head_dim // BV
+    producer_registers, state_registers = _register_split(BV)
+    # Producer warps arrive on `tiles_full`; every consumer thread and the store warp on `tiles_free`.
+    loader_threads = 3 * 32
+    reader_threads = 3 * _WARPGROUP + 32
+
+    # Each role is a macro: written inline, the branches nest deeper than Python allows.
+    @T.macro
+    def state_warpgroup(sh, cta, initial_state, final_state):
+        """Warpgroup 0: S in registers; hands S0 to the others, then S1 = e^{gamma_C} S0 + K^T (E Delta)."""
+        T.set_max_nreg(state_registers, 1)
+        state = T.alloc_fragment((K, BV), "float32")
+        chunk_decay = T.alloc_var("float32")
+        if cta.use_initial_state != 0 and cta.walk == cta.seq_start:
+            T.copy(initial_state[cta.sequence, cta.head, 0:K, cta.v0:cta.v0 + BV], state)
+        else:
+            T.clear(state)
+        for c in T.serial(cta.n_chunks):
+            stage = c % 2
+            T.barrier_wait(sh.tiles_full[stage], (c // 2) % 2)
+            T.barrier_arrive(sh.chunk_start)
+            T.barrier_wait(sh.chunk_start, c % 2)
+            T.copy(state, sh.state)
+            T.fence_proxy_async()
+            T.barrier_arrive(sh.state_ready)
+            T.barrier_wait(sh.decays_ready, c % 2)
+            chunk_decay = sh.row_decay[_C - 1]
+            for i, j in T.Parallel(K, BV):
+                state[i, j] = state[i, j] * chunk_decay
+            T.barrier_wait(sh.delta_ready, c % 2)
+            T.gemm(sh.k[stage, :, :], sh.decayed_delta, state, transpose_A=True)
+            T.barrier_arrive(sh.tiles_free[stage])
+        if cta.ends_sequence != 0:
+            T.copy(state, final_state[cta.sequence, cta.head, 0:K, cta.v0:cta.v0 + BV])
+
+    @T.macro
+    def delta_warpgroup(sh, cta):
+        """Warpgroup 1: the decays, U = K S0, W = V - D U (into V's buffer), Delta = Ab W and E Delta."""
+        T.set_max_nreg(_MATH_REGISTERS, 1)
+        u = T.alloc_fragment((_C, BV), "float32")
+        delta = T.alloc_fragment((_C, BV), "float32")
+        for c in T.serial(cta.n_chunks):
+            stage = c % 2
+            last = T.min(cta.end - (cta.walk + c * _C), _C) - 1
+            T.barrier_wait(sh.tiles_full[stage], (c // 2) % 2)
+            T.barrier_arrive(sh.chunk_start)
+            T.barrier_wait(sh.chunk_start, c % 2)
+            for t in T.Parallel(_C):
+                sh.row_decay[t] = T.exp2(sh.gamma[stage, t])
+                sh.end_decay[t] = T.if_then_else(
+                    t <= last, T.exp2(sh.gamma[stage, _C - 1] - sh.gamma[stage, t]), 0.0)
+            T.barrier_arrive(sh.decays_ready)
+            T.barrier_wait(sh.decays_ready, c % 2)
+            T.barrier_wait(sh.state_ready, c % 2)
+            T.gemm(sh.k[stage, :, :], sh.state, u, clear_accum=True)
+            for t, j in T.Parallel(_C, BV):
+                sh.v[stage, t, j] = sh.v[stage, t, j] - sh.row_decay[t] * u[t, j]
+            T.fence_proxy_async()
+            T.barrier_arrive(sh.w_ready)
+            T.barrier_wait(sh.w_ready, c % 2)
+            T.barrier_wait(sh.ab_ready, c % 2)
+            T.gemm(sh.a[stage, :, :], sh.v[stage, :, :], delta, clear_accum=True)
+            for t, j in T.Parallel(_C, BV):
+                sh.delta[t, j] = delta[t, j]
+                sh.decayed_delta[t, j] = sh.end_decay[t] * delta[t, j]
+            T.fence_proxy_async()
+            T.barrier_arrive(sh.delta_ready)
+            T.barrier_arrive(sh.tiles_free[stage])
+
+    @T.macro
+    def output_warpgroup(sh, cta):
+        """Warpgroup 2: Ab (into A~'s buffer), P, then O = scale D Q S0 + P Delta."""
+        T.set_max_nreg(_MATH_REGISTERS, 1)
+        ab = T.alloc_fragment((_C, _C), "float32")
+        qk = T.alloc_fragment((_C, _C), "float32")
+        out = T.alloc_fragment((_C, BV), "float32")
+        for c in T.serial(cta.n_chunks):
+            stage = c % 2
+            T.barrier_wait(sh.tiles_full[stage], (c // 2) % 2)
+            T.barrier_arrive(sh.chunk_start)
+            T.barrier_wait(sh.chunk_start, c % 2)
+            # Through registers: updated in place in shared memory, TileLang would put a barrier
+            # between every two elements.
+            T.copy(sh.a[stage, :, :], ab)
+            for t, s in T.Parallel(_C, _C):
+                ab[t, s] = T.if_then_else(
+                    s <= t, T.exp2(sh.gamma[stage, t] - sh.gamma[stage, s]) * sh.beta[stage, s] * ab[t, s], 0.0)
+            T.copy(ab, sh.a[stage, :, :])
+            T.fence_proxy_async()
+            T.barrier_arrive(sh.ab_ready)
+            T.gemm(sh.q[stage, :, :], sh.k[stage, :, :], qk, transpose_B=True, clear_accum=True)
+            for t, s in T.Parallel(_C, _C):
+                sh.p[t, s] = T.if_then_else(
+                    s <= t, T.exp2(sh.gamma[stage, t] - sh.gamma[stage, s]) * cta.scale * qk[t, s], 0.0)
+            T.fence_proxy_async()
+            T.barrier_arrive(sh.p_ready)
+            T.barrier_wait(sh.p_ready, c % 2)
+            T.barrier_wait(sh.state_ready, c % 2)
+            T.gemm(sh.q[stage, :, :], sh.state, out, clear_accum=True)
+            T.barrier_wait(sh.decays_ready, c % 2)
+            for t, j in T.Parallel(_C, BV):
+                out[t, j] = out[t, j] * (sh.row_decay[t] * cta.scale)
+            T.barrier_wait(sh.delta_ready, c % 2)
+            T.gemm(sh.p, sh.delta, out)
+            T.copy(out, sh.o)
+            T.fence_proxy_async()
+            T.barrier_arrive(sh.o_ready)
+            T.barrier_arrive(sh.tiles_free[stage])
+
+    @T.macro
+    def load_qk(sh, cta, q, k):
+        for c in T.serial(cta.n_chunks):
+            stage = c % 2
+            left = cta.walk + c * _C
+            T.barrier_wait(sh.tiles_free[stage], (c // 2 + 1) % 2)
+            T.tma_copy(q[left:left + _C, cta.qk_head, 0:K], sh.q[stage, :, :], barrier=sh.tiles_full[stage])
+            T.tma_copy(k[left:left + _C, cta.qk_head, 0:K], sh.k[stage, :, :], barrier=sh.tiles_full[stage])
+            T.barrier_arrive(sh.tiles_full[stage])
+
+    @T.macro
+    def load_v_beta(sh, cta, v, beta):
+        for c in T.serial(cta.n_chunks):
+            stage = c % 2
+            left = cta.walk + c * _C
+            last = T.min(cta.end - left, _C) - 1
+            T.barrier_wait(sh.tiles_free[stage], (c // 2 + 1) % 2)
+            T.tma_copy(v[left:left + _C, cta.head, cta.v0:cta.v0 + BV], sh.v[stage, :, :],
+                       barrier=sh.tiles_full[stage])
+            for t in T.Parallel(_C):
+                sh.beta[stage, t] = T.cast(beta[left + T.min(t, last), cta.head], "float32")
+            T.barrier_arrive(sh.tiles_full[stage])
+
+    @T.macro
+    def load_inverse_gamma(sh, cta, inverse, gamma):
+        for c in T.serial(cta.n_chunks):
+            stage = c % 2
+            left = cta.walk + c * _C
+            last = T.min(cta.end - left, _C) - 1
+            T.barrier_wait(sh.tiles_free[stage], (c // 2 + 1) % 2)
+            T.tma_copy(inverse[left:left + _C, cta.head, 0:_C], sh.a[stage, :, :], barrier=sh.tiles_full[stage])
+            for t in T.Parallel(_C):
+                sh.gamma[stage, t] = gamma[left + T.min(t, last), cta.head] * LOG2E
+            T.barrier_arrive(sh.tiles_full[stage])
+
+    @T.macro
+    def store_outputs(sh, cta, o, chunk_states, gated_inverse, scores):
+        """The store warp: o, the chunk states, Ab and P of the piece's own chunks."""
+        for c in T.serial(cta.n_chunks):
+            stage = c % 2
+            left = cta.walk + c * _C
+            last = T.min(cta.end - left, _C) - 1
+            own = left >= cta.piece_start
+            T.barrier_arrive(sh.chunk_start)
+            T.barrier_wait(sh.chunk_start, c % 2)
+            T.barrier_wait(sh.state_ready, c % 2)
+            if store_chunk_states and own:
+                T.copy(sh.state, chunk_states[cta.first_chunk + (left - cta.seq_start) // _C, cta.head,
+                                              0:K, cta.v0:cta.v0 + BV])
+            T.barrier_wait(sh.o_ready, c % 2)
+            if own and left + _C <= cta.end:
+                T.copy(sh.o, o[left:left + _C, cta.head, cta.v0:cta.v0 + BV])
+            if own and left + _C > cta.end:
+                for t, j in T.Parallel(_C, BV):
+                    if t <= last:
+                        o[left + t, cta.head, cta.v0 + j] = sh.o[t, j]
+            if store_products and own and cta.vb == 0:
+                for t, s in T.Parallel(_C, _C):
+                    if t <= last:
+                        gated_inverse[left + t, cta.head, s] = sh.a[stage, t, s]
+                        scores[left + t, cta.head, s] = sh.p[t, s]
+            T.barrier_arrive(sh.tiles_free[stage])
+
+    @T.prim_func
+    def fused_forward_onchip_kernel(
+        q: T.Tensor((num_tokens, num_qk_heads, K), dtype),
+        k: T.Tensor((num_tokens, num_qk_heads, K), dtype),
+        v: T.Tensor((num_tokens, num_v_heads, head_dim), dtype),
+        gamma: T.Tensor((num_tokens, num_v_heads), "float32"),
+        beta: T.Tensor((num_tokens, num_v_heads), beta_dtype),
+        inverse: T.Tensor((num_tokens, num_v_heads, _C), dtype),
+        initial_state: T.Tensor((num_sequences, num_v_heads, K, head_dim), "float32"),
+        cu_seqlens: T.Tensor((num_sequences + 1,), "int32"),
+        chunk_offsets: T.Tensor((num_sequences + 1,), "int32"),
+        pieces: T.Tensor((num_pieces, PIECE_FIELDS), "int32"),
+        walk_start: T.Tensor((num_pieces, num_v_heads), "int32"),
+        o: T.Tensor((num_tokens, num_v_heads, head_dim), dtype),
+        final_state: T.Tensor((num_sequences, num_v_heads, K, head_dim), "float32"),
+        chunk_states: T.Tensor((num_chunks, num_v_heads, K, head_dim), dtype),
+        gated_inverse: T.Tensor((product_rows, num_v_heads, _C), dtype),
+        scores: T.Tensor((product_rows, num_v_heads, _C), dtype),
+        scale: T.float32,
+        use_initial_state: T.int32,
+    ):
+        with T.Kernel(value_blocks, num_v_heads, num_pieces, threads=_THREADS) as (vb, head, piece):
+            sequence = pieces[piece, 0]
+            walk = walk_start[piece, head]
+            cta = SimpleNamespace(
+                vb=vb, head=head, qk_head=head // (num_v_heads // num_qk_heads), v0=vb * BV, sequence=sequence,
+                piece_start=pieces[piece, 1], end=pieces[piece, 2], ends_sequence=pieces[piece, 3], walk=walk,
+                n_chunks=T.ceildiv(pieces[piece, 2] - walk, _C), first_chunk=chunk_offsets[sequence],
+                seq_start=cu_seqlens[sequence], scale=scale, use_initial_state=use_initial_state)
+            sh = SimpleNamespace(
+                # Double-buffered inputs, filled by the producer warps.
+                q=T.alloc_shared((2, _C, K), dtype),
+                k=T.alloc_shared((2, _C, K), dtype),
+                v=T.alloc_shared((2, _C, BV), dtype),           # V, then W in place
+                a=T.alloc_shared((2, _C, _C), dtype),           # A~, then Ab in place
+                gamma=T.alloc_shared((2, _C), "float32"),       # log2 units, clamped past the end
+                beta=T.alloc_shared((2, _C), "float32"),
+                # One per chunk, rewritten only after `chunk_start`.
+                state=T.alloc_shared((K, BV), dtype),
+                delta=T.alloc_shared((_C, BV), dtype),
+                decayed_delta=T.alloc_shared((_C, BV), dtype),
+                p=T.alloc_shared((_C, _C), dtype),
+                o=T.alloc_shared((_C, BV), dtype),
+                row_decay=T.alloc_shared((_C,), "float32"),
+                end_decay=T.alloc_shared((_C,), "float32"),
+                tiles_full=T.alloc_barrier(arrive_count=[loader_threads] * 2),
+                tiles_free=T.alloc_barrier(arrive_count=[reader_threads] * 2),
+                chunk_start=T.alloc_barrier(arrive_count=reader_threads),
+                state_ready=T.alloc_barrier(arrive_count=_WARPGROUP),
+                decays_ready=T.alloc_barrier(arrive_count=_WARPGROUP),
+                w_ready=T.alloc_barrier(arrive_count=_WARPGROUP),
+                ab_ready=T.alloc_barrier(arrive_count=_WARPGROUP),
+                p_ready=T.alloc_barrier(arrive_count=_WARPGROUP),
+                delta_ready=T.alloc_barrier(arrive_count=_WARPGROUP),
+                o_ready=T.alloc_barrier(arrive_count=_WARPGROUP),
+            )
+            tx = T.get_thread_binding()
+            if tx < _WARPGROUP:
+                state_warpgroup(sh, cta, initial_state, final_state)
+            elif tx < 2 * _WARPGROUP:
+                delta_warpgroup(sh, cta)
+            elif tx < 3 * _WARPGROUP:
+                output_warpgroup(sh, cta)
+            else:
+                T.set_max_nreg(producer_registers, 0)
+                if tx < 3 * _WARPGROUP + 32:
+                    load_qk(sh, cta, q, k)
+                elif tx < 3 * _WARPGROUP + 64:
+                    load_v_beta(sh, cta, v, beta)
+                elif tx < 3 * _WARPGROUP + 96:
+                    load_inverse_gamma(sh, cta, inverse, gamma)
+                else:
+                    store_outputs(sh, cta, o, chunk_states, gated_inverse, scores)
+
+    return fused_forward_onchip_kernel
+
+
+@functools.lru_cache(maxsize=None)
+def compile_fused_forward_onchip(value_block: int, dtype: str = "bfloat16", beta_dtype: str = "float32",
+                                 head_dim: int = HEAD_DIM, store_chunk_states: bool = False,
+                                 store_products: bool = False):
+    program = fused_forward_onchip_program(value_block, dtype, beta_dtype, head_dim, store_chunk_states,
+                                           store_products)
+    return compile_for_hopper(program, fast_math=True)
+
+
+def fused_forward_onchip(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma: torch.Tensor,
+                         beta: torch.Tensor, inverse: torch.Tensor, scale: float, initial_state: torch.Tensor | None,
+                         cu_seqlens: torch.Tensor, value_block: int, pieces: torch.Tensor, walk_start: torch.Tensor,
+                         store_chunk_states: bool = False, store_products: bool = False,
+                         offsets: torch.Tensor | None = None, num_chunks: int | None = None):
+    """(o, final_state, chunk_states or None, gated_inverse or None, scores or None) on flattened inputs.
+
+    q, k: [T, Hqk, K]; v: [T, Hv, V]; gamma (fp32 chunk-local cumsum), beta: [T, Hv]; inverse: the
+    gate-free A~, [T, Hv, 64] in q's dtype; the rest as fused_forward.fused_forward takes them.
+    store_products: also return Ab and P ([T, Hv, 64] each, what gated_products makes), which the
+    backward reads.
+    """
+    num_tokens, num_qk_heads, head_dim = k.shape
+    num_v_heads = v.shape[1]
+    num_sequences = cu_seqlens.numel() - 1
+    device = k.device
+    if offsets is None:
+        offsets = chunk_offsets(cu_seqlens)
+    use_initial_state = initial_state is not None
+    if initial_state is None:
+        initial_state = torch.empty(num_sequences, num_v_heads, head_dim, head_dim, dtype=torch.float32,
+                                    device=device)
+    final_state = torch.empty(num_sequences, num_v_heads, head_dim, head_dim, dtype=torch.float32, device=device)
+    if not store_chunk_states:
+        total_chunks = 1
+    else:  # num_chunks (the plan's) spares a device->host read
+        total_chunks = int(offsets[-1].item()) if num_chunks is None else num_chunks
+    states = torch.empty(max(total_chunks, 1), num_v_heads, head_dim, head_dim, dtype=v.dtype, device=device)
+    product_rows = num_tokens if store_products else 1
+    gated_inverse = torch.empty(product_rows, num_v_heads, _C, dtype=v.dtype, device=device)
+    scores = torch.empty_like(gated_inverse)
+    o = torch.empty_like(v)
+    kernel = compile_fused_forward_onchip(value_block, dtype_name(v), dtype_name(beta), head_dim,
+                                          store_chunk_states, store_products)
+    kernel(q, k, v, gamma, beta, inverse, initial_state, cu_seqlens, offsets, pieces, walk_start, o, final_state,
+           states, gated_inverse, scores, float(scale), int(use_initial_state))
+    return (o, final_state, states if store_chunk_states else None,
+            gated_inverse if store_products else None, scores if store_products else None)
