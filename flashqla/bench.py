@@ -411,7 +411,34 @@ def compare_onchip_forward(rep_ms: int):
         with torch.no_grad():
             times = {name: _median_ms(lambda: forward(*args, **host, **kwargs), rep_ms)
                      for name, kwargs in variants.items()}
+            times.update(_onchip_stages(x, rep_ms))
         yield f"{heads[0]}/{heads[1]} {'+'.join(map(str, lengths)) if len(lengths) < 3 else f'{lengths[0]}x{len(lengths)}'}", times
+
+
+def _onchip_stages(x: dict, rep_ms: int) -> dict:
+    """The on-chip forward's two kernels alone on `x`: the grouped inverse and the walk (BV <= 64 and
+    <= 128), planned and fed as hopper.forward does."""
+    from flashqla.hopper.chunk_plan import plan_forward, walk_starts
+    from flashqla.hopper.cumsum import chunk_local_cumsum
+    from flashqla.hopper.fused_forward_onchip import fused_forward_onchip
+    from flashqla.hopper.grouped_products import grouped_inverse
+
+    q, k, v, beta, cu = x["q"][0], x["k"][0], x["v"][0], x["beta"][0], x["cu_seqlens"]
+    total, num_v_heads = beta.shape
+    host = x["cu_seqlens_cpu"].tolist()
+    times = {}
+    for cap in (64, 128):
+        plan = plan_forward(cu, num_v_heads, 128, torch.cuda.get_device_properties(0).multi_processor_count, cap,
+                            host_bounds=host)
+        gamma = chunk_local_cumsum(x["g"], cu, chunk_index=plan.chunk_index).view(total, num_v_heads)
+        inverse = grouped_inverse(k, gamma, beta, cu, plan.chunk_index)
+        walk = walk_starts(plan.pieces, cu, gamma, -10.0, plan.max_walk_back, walk_index=plan.walk_index)
+        if cap == 64:
+            times["inverse alone"] = _median_ms(lambda: grouped_inverse(k, gamma, beta, cu, plan.chunk_index), rep_ms)
+        times[f"walk alone, BV <= {cap}"] = _median_ms(lambda: fused_forward_onchip(
+            q, k, v, gamma, beta, inverse, 128 ** -0.5, x["initial_state"], cu, plan.value_block, plan.pieces, walk,
+            offsets=plan.chunk_offsets), rep_ms)
+    return times
 
 
 COMPARISONS = {"keep_forward": compare_keep_forward, "grouped_products": compare_grouped_products, "conv": compare_conv,

@@ -16,9 +16,12 @@ and a producer warpgroup (512 threads, one CTA per SM):
 - warpgroup 3: one warp each loads q/k, v/beta and A~/gamma (double-buffered, TMA for the tiles),
   the fourth stores o, the chunk states and, for the backward, Ab and P.
 
-Every warpgroup and the store warp meet at the start of each chunk (`chunk_start`), so a buffer
-that is not double-buffered is rewritten only after every reader of the chunk before is done,
-and no per-chunk mbarrier can complete twice before all its waiters have seen it complete once.
+No role waits for a whole chunk to end: the walk's chain is warpgroup 0's copy of S, warpgroup
+1's two products and warpgroup 0's update, while warpgroup 2's output and the stores of chunk c
+overlap chunk c + 1. Buffers written once a chunk are double-buffered by chunk parity, or have a
+`*_free` barrier that their next writer waits on; every mbarrier is one per stage, so none can
+complete twice before all its waiters have seen it complete once (each waiter waits before it
+releases the stage, and each arriver arrives only after the stage was refilled).
 
 Pieces, warm-up walks and tiles past a sequence end work as in fused_forward.py.
 """
@@ -78,16 +81,16 @@ def fused_forward_onchip_program(value_block: int, dtype: str = "bfloat16", beta
         for c in T.serial(cta.n_chunks):
             stage = c % 2
             T.barrier_wait(sh.tiles_full[stage], (c // 2) % 2)
-            T.barrier_arrive(sh.chunk_start)
-            T.barrier_wait(sh.chunk_start, c % 2)
+            if c > 0:
+                T.barrier_wait(sh.state_free[1 - stage], ((c - 1) // 2) % 2)
             T.copy(state, sh.state)
             T.fence_proxy_async()
-            T.barrier_arrive(sh.state_ready)
-            T.barrier_wait(sh.decays_ready, c % 2)
-            chunk_decay = sh.row_decay[_C - 1]
+            T.barrier_arrive(sh.state_ready[stage])
+            T.barrier_wait(sh.decays_ready[stage], (c // 2) % 2)
+            chunk_decay = sh.row_decay[stage, _C - 1]
             for i, j in T.Parallel(K, BV):
                 state[i, j] = state[i, j] * chunk_decay
-            T.barrier_wait(sh.delta_ready, c % 2)
+            T.barrier_wait(sh.delta_ready[stage], (c // 2) % 2)
             T.gemm(sh.k[stage, :, :], sh.decayed_delta, state, transpose_A=True)
             T.barrier_arrive(sh.tiles_free[stage])
         if cta.ends_sequence != 0:
@@ -103,28 +106,31 @@ def fused_forward_onchip_program(value_block: int, dtype: str = "bfloat16", beta
             stage = c % 2
             last = T.min(cta.end - (cta.walk + c * _C), _C) - 1
             T.barrier_wait(sh.tiles_full[stage], (c // 2) % 2)
-            T.barrier_arrive(sh.chunk_start)
-            T.barrier_wait(sh.chunk_start, c % 2)
             for t in T.Parallel(_C):
-                sh.row_decay[t] = T.exp2(sh.gamma[stage, t])
-                sh.end_decay[t] = T.if_then_else(
+                sh.row_decay[stage, t] = T.exp2(sh.gamma[stage, t])
+                sh.end_decay[stage, t] = T.if_then_else(
                     t <= last, T.exp2(sh.gamma[stage, _C - 1] - sh.gamma[stage, t]), 0.0)
-            T.barrier_arrive(sh.decays_ready)
-            T.barrier_wait(sh.decays_ready, c % 2)
-            T.barrier_wait(sh.state_ready, c % 2)
+            T.barrier_arrive(sh.decays_ready[stage])
+            T.barrier_wait(sh.decays_ready[stage], (c // 2) % 2)
+            T.barrier_wait(sh.state_ready[stage], (c // 2) % 2)
             T.gemm(sh.k[stage, :, :], sh.state, u, clear_accum=True)
+            # Each loop either reads or writes shared memory: a loop that reads a stage-indexed shared
+            # array and writes another gets a barrier per element from TileLang.
             for t, j in T.Parallel(_C, BV):
-                sh.v[stage, t, j] = sh.v[stage, t, j] - sh.row_decay[t] * u[t, j]
+                u[t, j] = sh.v[stage, t, j] - sh.row_decay[stage, t] * u[t, j]
+            T.copy(u, sh.v[stage, :, :])
             T.fence_proxy_async()
-            T.barrier_arrive(sh.w_ready)
-            T.barrier_wait(sh.w_ready, c % 2)
-            T.barrier_wait(sh.ab_ready, c % 2)
+            T.barrier_wait(sh.ab_ready[stage], (c // 2) % 2)
             T.gemm(sh.a[stage, :, :], sh.v[stage, :, :], delta, clear_accum=True)
+            # E Delta's buffer is free: warpgroup 0 finished reading it before it handed out this chunk's S0.
+            if c > 0:
+                T.barrier_wait(sh.delta_free[1 - stage], ((c - 1) // 2) % 2)
+            T.copy(delta, sh.delta)
             for t, j in T.Parallel(_C, BV):
-                sh.delta[t, j] = delta[t, j]
-                sh.decayed_delta[t, j] = sh.end_decay[t] * delta[t, j]
+                delta[t, j] = delta[t, j] * sh.end_decay[stage, t]
+            T.copy(delta, sh.decayed_delta)
             T.fence_proxy_async()
-            T.barrier_arrive(sh.delta_ready)
+            T.barrier_arrive(sh.delta_ready[stage])
             T.barrier_arrive(sh.tiles_free[stage])
 
     @T.macro
@@ -137,8 +143,6 @@ def fused_forward_onchip_program(value_block: int, dtype: str = "bfloat16", beta
         for c in T.serial(cta.n_chunks):
             stage = c % 2
             T.barrier_wait(sh.tiles_full[stage], (c // 2) % 2)
-            T.barrier_arrive(sh.chunk_start)
-            T.barrier_wait(sh.chunk_start, c % 2)
             # Through registers: updated in place in shared memory, TileLang would put a barrier
             # between every two elements.
             T.copy(sh.a[stage, :, :], ab)
@@ -147,24 +151,26 @@ def fused_forward_onchip_program(value_block: int, dtype: str = "bfloat16", beta
                     s <= t, T.exp2(sh.gamma[stage, t] - sh.gamma[stage, s]) * sh.beta[stage, s] * ab[t, s], 0.0)
             T.copy(ab, sh.a[stage, :, :])
             T.fence_proxy_async()
-            T.barrier_arrive(sh.ab_ready)
+            T.barrier_arrive(sh.ab_ready[stage])
             T.gemm(sh.q[stage, :, :], sh.k[stage, :, :], qk, transpose_B=True, clear_accum=True)
             for t, s in T.Parallel(_C, _C):
-                sh.p[t, s] = T.if_then_else(
+                sh.p[stage, t, s] = T.if_then_else(
                     s <= t, T.exp2(sh.gamma[stage, t] - sh.gamma[stage, s]) * cta.scale * qk[t, s], 0.0)
             T.fence_proxy_async()
-            T.barrier_arrive(sh.p_ready)
-            T.barrier_wait(sh.p_ready, c % 2)
-            T.barrier_wait(sh.state_ready, c % 2)
+            T.barrier_wait(sh.state_ready[stage], (c // 2) % 2)
             T.gemm(sh.q[stage, :, :], sh.state, out, clear_accum=True)
-            T.barrier_wait(sh.decays_ready, c % 2)
+            T.barrier_arrive(sh.state_free[stage])
+            T.barrier_wait(sh.decays_ready[stage], (c // 2) % 2)
             for t, j in T.Parallel(_C, BV):
-                out[t, j] = out[t, j] * (sh.row_decay[t] * cta.scale)
-            T.barrier_wait(sh.delta_ready, c % 2)
-            T.gemm(sh.p, sh.delta, out)
+                out[t, j] = out[t, j] * (sh.row_decay[stage, t] * cta.scale)
+            T.barrier_wait(sh.delta_ready[stage], (c // 2) % 2)
+            T.gemm(sh.p[stage, :, :], sh.delta, out)
+            T.barrier_arrive(sh.delta_free[stage])
+            if c > 0:
+                T.barrier_wait(sh.o_free[1 - stage], ((c - 1) // 2) % 2)
             T.copy(out, sh.o)
             T.fence_proxy_async()
-            T.barrier_arrive(sh.o_ready)
+            T.barrier_arrive(sh.o_ready[stage])
             T.barrier_arrive(sh.tiles_free[stage])
 
     @T.macro
@@ -210,24 +216,24 @@ def fused_forward_onchip_program(value_block: int, dtype: str = "bfloat16", beta
             left = cta.walk + c * _C
             last = T.min(cta.end - left, _C) - 1
             own = left >= cta.piece_start
-            T.barrier_arrive(sh.chunk_start)
-            T.barrier_wait(sh.chunk_start, c % 2)
-            T.barrier_wait(sh.state_ready, c % 2)
+            T.barrier_wait(sh.state_ready[stage], (c // 2) % 2)
             if store_chunk_states and own:
                 T.copy(sh.state, chunk_states[cta.first_chunk + (left - cta.seq_start) // _C, cta.head,
                                               0:K, cta.v0:cta.v0 + BV])
-            T.barrier_wait(sh.o_ready, c % 2)
+            T.barrier_arrive(sh.state_free[stage])
+            T.barrier_wait(sh.o_ready[stage], (c // 2) % 2)
             if own and left + _C <= cta.end:
                 T.copy(sh.o, o[left:left + _C, cta.head, cta.v0:cta.v0 + BV])
             if own and left + _C > cta.end:
                 for t, j in T.Parallel(_C, BV):
                     if t <= last:
                         o[left + t, cta.head, cta.v0 + j] = sh.o[t, j]
+            T.barrier_arrive(sh.o_free[stage])
             if store_products and own and cta.vb == 0:
                 for t, s in T.Parallel(_C, _C):
                     if t <= last:
                         gated_inverse[left + t, cta.head, s] = sh.a[stage, t, s]
-                        scores[left + t, cta.head, s] = sh.p[t, s]
+                        scores[left + t, cta.head, s] = sh.p[stage, t, s]
             T.barrier_arrive(sh.tiles_free[stage])
 
     @T.prim_func
@@ -260,31 +266,34 @@ def fused_forward_onchip_program(value_block: int, dtype: str = "bfloat16", beta
                 n_chunks=T.ceildiv(pieces[piece, 2] - walk, _C), first_chunk=chunk_offsets[sequence],
                 seq_start=cu_seqlens[sequence], scale=scale, use_initial_state=use_initial_state)
             sh = SimpleNamespace(
-                # Double-buffered inputs, filled by the producer warps.
+                # Double-buffered: filled by the producer warps for chunk c into stage c % 2, or written
+                # in chunk c by the warpgroups; refilled only after every role released the stage.
                 q=T.alloc_shared((2, _C, K), dtype),
                 k=T.alloc_shared((2, _C, K), dtype),
                 v=T.alloc_shared((2, _C, BV), dtype),           # V, then W in place
                 a=T.alloc_shared((2, _C, _C), dtype),           # A~, then Ab in place
                 gamma=T.alloc_shared((2, _C), "float32"),       # log2 units, clamped past the end
                 beta=T.alloc_shared((2, _C), "float32"),
-                # One per chunk, rewritten only after `chunk_start`.
+                p=T.alloc_shared((2, _C, _C), dtype),
+                row_decay=T.alloc_shared((2, _C), "float32"),
+                end_decay=T.alloc_shared((2, _C), "float32"),
+                # Single: each has a *_free barrier its next writer waits on (E Delta's: state_ready).
                 state=T.alloc_shared((K, BV), dtype),
                 delta=T.alloc_shared((_C, BV), dtype),
                 decayed_delta=T.alloc_shared((_C, BV), dtype),
-                p=T.alloc_shared((_C, _C), dtype),
                 o=T.alloc_shared((_C, BV), dtype),
-                row_decay=T.alloc_shared((_C,), "float32"),
-                end_decay=T.alloc_shared((_C,), "float32"),
+                # Per stage, so that one completes once per two chunks, after all its waiters of the
+                # chunk before released the stage (tiles_free): no waiter can miss a phase.
                 tiles_full=T.alloc_barrier(arrive_count=[loader_threads] * 2),
                 tiles_free=T.alloc_barrier(arrive_count=[reader_threads] * 2),
-                chunk_start=T.alloc_barrier(arrive_count=reader_threads),
-                state_ready=T.alloc_barrier(arrive_count=_WARPGROUP),
-                decays_ready=T.alloc_barrier(arrive_count=_WARPGROUP),
-                w_ready=T.alloc_barrier(arrive_count=_WARPGROUP),
-                ab_ready=T.alloc_barrier(arrive_count=_WARPGROUP),
-                p_ready=T.alloc_barrier(arrive_count=_WARPGROUP),
-                delta_ready=T.alloc_barrier(arrive_count=_WARPGROUP),
-                o_ready=T.alloc_barrier(arrive_count=_WARPGROUP),
+                state_ready=T.alloc_barrier(arrive_count=[_WARPGROUP] * 2),
+                state_free=T.alloc_barrier(arrive_count=[_WARPGROUP + 32] * 2),   # warpgroup 2, store warp
+                decays_ready=T.alloc_barrier(arrive_count=[_WARPGROUP] * 2),
+                ab_ready=T.alloc_barrier(arrive_count=[_WARPGROUP] * 2),
+                delta_ready=T.alloc_barrier(arrive_count=[_WARPGROUP] * 2),
+                delta_free=T.alloc_barrier(arrive_count=[_WARPGROUP] * 2),
+                o_ready=T.alloc_barrier(arrive_count=[_WARPGROUP] * 2),
+                o_free=T.alloc_barrier(arrive_count=[32] * 2),
             )
             tx = T.get_thread_binding()
             if tx < _WARPGROUP:
