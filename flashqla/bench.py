@@ -3,7 +3,7 @@ and side-by-side timings of kernel variants (--compare).
 
     python -m flashqla.bench [--fwd] [--bwd] [--json PATH] [--shapes SUBSTR,...] [--baselines fla,flashqla]
                              [--time-budget SECONDS] [--breakdown] [--model]
-    python -m flashqla.bench --compare [keep_forward,grouped_products,conv] [--json PATH]
+    python -m flashqla.bench --compare [keep_forward,conv] [--json PATH]
 
 Each library is called the way its users call it: ours through `flashqla.chunk_gated_delta_rule`
 (backend="tilelang", input checks included), FLA through its `chunk_gated_delta_rule` beneath
@@ -22,10 +22,9 @@ initial or final state, and the forward timed under autograd (what it keeps for 
 Per shape it also records each library's first call (compile included: FlashQLA compiles about a
 dozen TileLang kernels per head layout, minutes without a carried TileLang cache) and the relative
 L2 distance of o and the final state from FLA's.
---breakdown adds our per-stage times (planning uncached and cached, cumsum, the gated products by
-the per-value-head kernel ("products") and by the grouped one, the default ("products_grouped"),
-walk starts, fused walk; with --model also the L2 norm and the kept variants of the products and the
-walk), and with --bwd the backward's (state-gradient walk, its warm-up ends, chunk gradients, the
+--breakdown adds our per-stage times (planning uncached and cached, cumsum, the inverse, walk
+starts, the fused walk; with --model also the L2 norm and the walk storing what the backward
+reads), and with --bwd the backward's (state-gradient walk, its warm-up ends, chunk gradients, the
 group sums, and the walk that keep_for_backward="products" adds). --time-budget starts no shape that would likely end past the budget; the
 JSON is rewritten after every shape, so a killed run keeps what it measured. --warm-only makes only
 the first calls: FLA's compile and autotuning take about two minutes per head layout, so
@@ -35,8 +34,6 @@ FLA_CACHE_RESULTS=0) and the timed run then autotunes alone with every kernel al
 --compare times what decides between kernel variants, each pair on the same inputs, and prints the
 ratios (timings live here, not in the GPU tests, so a busy machine cannot fail a correctness test):
 - keep_forward: forward + backward through the public op, keep_for_backward=False, "products" and True;
-- grouped_products: the per-value-head gated products kernel against the grouped one at 4 and at
-  3 CTAs per SM (MIN_BLOCKS_PER_SM, the default);
 - conv: the GDN layer's conv + SiLU, the TileLang kernel against torch.compile of its definition.
 """
 from __future__ import annotations
@@ -164,15 +161,16 @@ def _breakdown_operands(inputs: dict, like_the_model: bool):
 
 
 def forward_breakdown(inputs: dict, rep_ms: int, like_the_model: bool = False) -> dict:
-    """Median ms of each stage of our forward (planning, cumsum, gated products, walk starts, fused
-    kernel). like_the_model adds the in-kernel L2 norm and the variants a differentiated forward runs:
-    the products that also write A~ and the walk that stores the chunk states."""
+    """Median ms of each stage of our forward (planning, cumsum, the inverse, walk starts, the fused
+    walk). like_the_model adds the in-kernel L2 norm and the walk a differentiated forward runs: the
+    one that also stores Ab and P ("products") and the chunk states ("all")."""
     from triton.testing import do_bench
 
     from flashqla.hopper.chunk_plan import build_forward_plan, plan_forward, walk_starts
     from flashqla.hopper.cumsum import chunk_local_cumsum
-    from flashqla.hopper.fused_forward import MAX_VALUE_BLOCK, fused_forward
-    from flashqla.hopper.gated_products import gated_products
+    from flashqla.hopper.forward import walk_chunks
+    from flashqla.hopper.fused_forward import MAX_VALUE_BLOCK
+    from flashqla.hopper.grouped_inverse import grouped_inverse
     from flashqla.l2norm import l2_normalize
 
     q, k, v, g, beta = _breakdown_operands(inputs, like_the_model)
@@ -184,13 +182,10 @@ def forward_breakdown(inputs: dict, rep_ms: int, like_the_model: bool = False) -
     plan = plan_forward(cu, num_v_heads, 128, sm_count, MAX_VALUE_BLOCK)
     index = plan.chunk_index
     gamma = chunk_local_cumsum(g[None], cu, chunk_index=index).view(num_tokens, num_v_heads)
-    gated_inverse, scores, _ = gated_products(q, k, gamma, beta, 128 ** -0.5, cu, index)
-    walk = walk_starts(plan.pieces, cu, gamma, -10.0, plan.max_walk_back, walk_index=plan.walk_index)
+    inverse = grouped_inverse(k, beta, cu, index)
 
-    def fused(store_chunk_states=False):
-        return fused_forward(q, k, v, gamma, gated_inverse, scores, 128 ** -0.5, h0, cu, plan.value_block,
-                             plan.pieces, walk, store_chunk_states=store_chunk_states, offsets=plan.chunk_offsets,
-                             num_chunks=index.shape[0])
+    def walk(**stores):
+        return walk_chunks(q, k, v, gamma, beta, inverse, 128 ** -0.5, h0, cu, plan, **stores)
 
     stages = {
         # uncached: the first layer of a step with new cu_seqlens (one device->host read included)
@@ -199,15 +194,15 @@ def forward_breakdown(inputs: dict, rep_ms: int, like_the_model: bool = False) -
         "plan_cached": lambda: plan_forward(cu, num_v_heads, 128, sm_count, MAX_VALUE_BLOCK,
                                             host_bounds=bounds),
         "cumsum": lambda: chunk_local_cumsum(g[None], cu, chunk_index=index),
-        "products": lambda: gated_products(q, k, gamma, beta, 128 ** -0.5, cu, index, grouped=False),
-        "products_grouped": lambda: gated_products(q, k, gamma, beta, 128 ** -0.5, cu, index, grouped=True),
-        "walk": lambda: walk_starts(plan.pieces, cu, gamma, -10.0, plan.max_walk_back, walk_index=plan.walk_index),
-        "fused": fused,
+        "inverse": lambda: grouped_inverse(k, beta, cu, index),
+        "walk_starts": lambda: walk_starts(plan.pieces, cu, gamma, -10.0, plan.max_walk_back,
+                                           walk_index=plan.walk_index),
+        "walk": walk,  # walk starts included
     }
     if like_the_model:
         stages["l2norm"] = lambda: (l2_normalize(inputs["q"]), l2_normalize(inputs["k"]))
-        stages["products_kept"] = lambda: gated_products(q, k, gamma, beta, 128 ** -0.5, cu, index, with_inverse=True)
-        stages["fused_kept"] = lambda: fused(store_chunk_states=True)
+        stages["walk_keeping_products"] = lambda: walk(store_products=True)
+        stages["walk_keeping_all"] = lambda: walk(store_products=True, store_chunk_states=True)
     result = {name: do_bench(fn, warmup=10, rep=rep_ms, return_mode="median") for name, fn in stages.items()}
     result["pieces"] = int(plan.pieces.shape[0])
     result["value_block"] = plan.value_block
@@ -220,12 +215,12 @@ def backward_breakdown(inputs: dict, rep_ms: int, like_the_model: bool = False) 
     and the walk that "products" adds (the chunk states rebuilt)."""
     from triton.testing import do_bench
 
-    from flashqla.hopper.backward import state_gradient_walk
+    from flashqla.hopper.backward import MAX_VALUE_BLOCK, state_gradient_walk
     from flashqla.hopper.backward_chunk_grads import chunk_gradients
     from flashqla.hopper.backward_state_grads import state_gradients
     from flashqla.hopper.chunk_plan import plan_forward, walk_ends
     from flashqla.hopper.forward import forward, walk_chunks
-    from flashqla.hopper.fused_forward import MAX_VALUE_BLOCK
+    from flashqla.hopper.fused_forward import MAX_VALUE_BLOCK as FORWARD_MAX_VALUE_BLOCK
 
     q, k, v, g, beta = _breakdown_operands(inputs, like_the_model)
     h0 = inputs["initial_state"]
@@ -234,6 +229,7 @@ def backward_breakdown(inputs: dict, rep_ms: int, like_the_model: bool = False) 
     num_qk_heads = q.shape[1]
     sm_count = torch.cuda.get_device_properties().multi_processor_count
     plan = plan_forward(cu, num_v_heads, 128, sm_count, MAX_VALUE_BLOCK)
+    forward_plan = plan_forward(cu, num_v_heads, 128, sm_count, FORWARD_MAX_VALUE_BLOCK)
     _, _, kept = forward(q[None], k[None], v[None], g[None], beta[None], 128 ** -0.5, h0, False, cu,
                          keep_for_backward=True)
     gamma, beta32 = kept.gamma, beta.float()
@@ -256,7 +252,7 @@ def backward_breakdown(inputs: dict, rep_ms: int, like_the_model: bool = False) 
     stages = {
         "state_grads": state_grads,
         "chunk_grads": chunk_grads,
-        "rewalk": lambda: walk_chunks(q, k, v, gamma, kept.gated_inverse, kept.scores, 128 ** -0.5, h0, cu, plan,
+        "rewalk": lambda: walk_chunks(q, k, v, gamma, beta32, kept.inverse, 128 ** -0.5, h0, cu, forward_plan,
                                       store_chunk_states=True),
     }
     if plan.walk_ahead_index is not None:
@@ -346,26 +342,6 @@ def compare_keep_forward(rep_ms: int):
                 "kept": _median_ms(lambda: step(True), rep_ms, grad_to_none=leaves)})
 
 
-def compare_grouped_products(rep_ms: int):
-    """The gated products (Ab, P) by the per-value-head kernel and by the grouped one at 4 and at
-    3 CTAs per SM (its register cap; MIN_BLOCKS_PER_SM is the default)."""
-    from flashqla.hopper.chunk_plan import chunk_indices
-    from flashqla.hopper.cumsum import chunk_local_cumsum
-    from flashqla.hopper.gated_products import gated_products
-
-    for heads in ((16, 64), (16, 32), (16, 16), (8, 24), (2, 8)):
-        x = make_inputs(heads, [32768])
-        total, num_v_heads = x["g"].shape[1:]
-        cu = x["cu_seqlens"]
-        index = chunk_indices(cu)
-        gamma = chunk_local_cumsum(x["g"], cu, chunk_index=index).view(total, num_v_heads)
-        call = (x["q"][0], x["k"][0], gamma, x["beta"][0], 128 ** -0.5, cu, index)
-        variants = {"per-head": dict(grouped=False), "grouped, 4 CTAs/SM": dict(grouped=True, min_blocks_per_sm=4),
-                    "grouped, 3 CTAs/SM": dict(grouped=True, min_blocks_per_sm=3)}
-        yield (f"{heads[0]}/{heads[1]} 32768",
-               {name: _median_ms(lambda: gated_products(*call, **kwargs), rep_ms) for name, kwargs in variants.items()})
-
-
 def compare_conv(rep_ms: int):
     """The GDN layer's causal conv + SiLU, forward + backward, at the 0.8B model's layer width (6144
     channels): torch.compile of the torch definition (what the model ran before the kernel) against
@@ -389,60 +365,7 @@ def compare_conv(rep_ms: int):
                {name: _median_ms(lambda: step(run), rep_ms, grad_to_none=[x, weight]) for name, run in variants.items()})
 
 
-def compare_onchip_forward(rep_ms: int):
-    """The Hopper forward (hopper.forward, bench inputs, no autograd) with its products kernel and
-    walk against the candidate walk that builds Ab and P on chip (fused_forward_onchip.py), with the
-    V block capped at 64 (what the backward's plan takes) and at 128; and at 16/16 (the 0.8B
-    model's layer) both keeping what the backward reads, states left out ("products")."""
-    from flashqla.hopper.forward import forward
-
-    shapes = (((16, 64), [32768]), ((16, 64), [8192] * 4), ((16, 16), [32768]), ((16, 16), [131072]),
-              ((2, 8), [32768]), ((2, 8), [131072]), ((8, 8), [131072]))
-    for heads, lengths in shapes:
-        x = make_inputs(heads, lengths)
-        args = (x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["initial_state"], True, x["cu_seqlens"])
-        host = dict(cu_seqlens_host=x["cu_seqlens_cpu"].tolist())
-        variants = {"products kernel + walk": dict(),
-                    "on chip, BV <= 64": dict(products_on_chip=True),
-                    "on chip, BV <= 128": dict(products_on_chip=True, max_value_block=128)}
-        if heads == (16, 16):
-            keep = dict(keep_for_backward=True, keep_chunk_states=False)
-            variants.update({"keeping products": keep, "on chip, keeping products": dict(keep, products_on_chip=True)})
-        with torch.no_grad():
-            times = {name: _median_ms(lambda: forward(*args, **host, **kwargs), rep_ms)
-                     for name, kwargs in variants.items()}
-            times.update(_onchip_stages(x, rep_ms))
-        yield f"{heads[0]}/{heads[1]} {'+'.join(map(str, lengths)) if len(lengths) < 3 else f'{lengths[0]}x{len(lengths)}'}", times
-
-
-def _onchip_stages(x: dict, rep_ms: int) -> dict:
-    """The on-chip forward's two kernels alone on `x`: the grouped inverse and the walk (BV <= 64 and
-    <= 128), planned and fed as hopper.forward does."""
-    from flashqla.hopper.chunk_plan import plan_forward, walk_starts
-    from flashqla.hopper.cumsum import chunk_local_cumsum
-    from flashqla.hopper.fused_forward_onchip import fused_forward_onchip
-    from flashqla.hopper.grouped_products import grouped_inverse
-
-    q, k, v, beta, cu = x["q"][0], x["k"][0], x["v"][0], x["beta"][0], x["cu_seqlens"]
-    total, num_v_heads = beta.shape
-    host = x["cu_seqlens_cpu"].tolist()
-    times = {}
-    for cap in (64, 128):
-        plan = plan_forward(cu, num_v_heads, 128, torch.cuda.get_device_properties(0).multi_processor_count, cap,
-                            host_bounds=host)
-        gamma = chunk_local_cumsum(x["g"], cu, chunk_index=plan.chunk_index).view(total, num_v_heads)
-        inverse = grouped_inverse(k, gamma, beta, cu, plan.chunk_index)
-        walk = walk_starts(plan.pieces, cu, gamma, -10.0, plan.max_walk_back, walk_index=plan.walk_index)
-        if cap == 64:
-            times["inverse alone"] = _median_ms(lambda: grouped_inverse(k, gamma, beta, cu, plan.chunk_index), rep_ms)
-        times[f"walk alone, BV <= {cap}"] = _median_ms(lambda: fused_forward_onchip(
-            q, k, v, gamma, beta, inverse, 128 ** -0.5, x["initial_state"], cu, plan.value_block, plan.pieces, walk,
-            offsets=plan.chunk_offsets), rep_ms)
-    return times
-
-
-COMPARISONS = {"keep_forward": compare_keep_forward, "grouped_products": compare_grouped_products, "conv": compare_conv,
-               "onchip_forward": compare_onchip_forward}
+COMPARISONS = {"keep_forward": compare_keep_forward, "conv": compare_conv}
 
 
 def run_comparisons(names: list[str], rep_ms: int, json_path: str | None) -> None:

@@ -6,7 +6,7 @@
 #   tests               every GPU test of the suite but the unverified kernels' (pytest -m gpu; the 2-GPU test skips)
 #   unverified          the GPU tests of kernels not yet run on a GPU, which the public op cannot reach
 #   compare             python -m flashqla.bench --compare: kernel variants side by side (kept forward
-#                       tensors, grouped products, conv; COMPARE=name,... picks), ratios printed, JSON
+#                       tensors, conv; COMPARE=name,... picks), ratios printed, JSON
 #   bench               python -m flashqla.bench --fwd --bwd --breakdown, ours / FLA / FlashQLA, JSON
 #                       (SHAPES=substr,... filters shapes; BENCH_BUDGET seconds, default: what is left)
 #   bench-warm          one `flashqla.bench --warm-only --baselines fla` process per head layout of SHAPES
@@ -63,7 +63,7 @@ mkdir -p "$TRITON_CACHE_DIR"
 SUMMARY=()
 # Test files of kernels not yet run on a GPU (reachable only through internal arguments); once they
 # pass on the device, their file leaves this list and runs in `tests`.
-UNVERIFIED_TESTS=(tests/flashqla/test_hopper_fused_forward_onchip.py)
+UNVERIFIED_TESTS=()
 
 left() { echo $((BUDGET_S - (SECONDS - STARTED))); }
 
@@ -138,7 +138,7 @@ run_part() {
     ncu)
         # Nsight Compute on our four main kernels, one launch each (first forward + backward of NCU_SHAPE):
         # where their time goes (issue stalls, occupancy, memory). Needs the Firecracker machines.
-        step ncu 150 60 ncu --clock-control none -k 'regex:grouped_products|fused_forward|state_grads|chunk_grads' -c 4 \
+        step ncu 150 60 ncu --clock-control none -k 'regex:grouped_inverse|fused_forward|state_grads|chunk_grads' -c 4 \
             --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
             --section SchedulerStats --section MemoryWorkloadAnalysis \
             "$PYTHON" -c 'import sys, torch; from flashqla.bench import make_inputs, implementations, first_call_s

@@ -145,7 +145,7 @@ def compile_ours(shapes, like_the_model: bool = False, with_initial_state: bool 
             d_state = torch.randn_like(x["initial_state"])
         forward(q, k, v, x["g"], beta, None, h0, not like_the_model, cu)
         backward(q, k, v, x["g"], beta, 128 ** -0.5, h0, cu, torch.randn_like(v), d_state)
-        # the variants a differentiated forward runs (the grouped products that also store A~, the fused
+        # the variants a differentiated forward runs (the walk that also stores Ab, P and the
         # walk that stores the chunk states), and the backward that reads them
         _, _, kept = forward(q, k, v, x["g"], beta, None, h0, not like_the_model, cu, keep_for_backward=True)
         backward(q, k, v, x["g"], beta, 128 ** -0.5, h0, cu, torch.randn_like(v), d_state, kept=kept)
@@ -153,22 +153,23 @@ def compile_ours(shapes, like_the_model: bool = False, with_initial_state: bool 
         print(f"ours {name} ({variant}): {time.time() - started:.0f} s", flush=True)
 
 
-def compile_onchip_walks() -> None:
-    """The candidate forward walk (flashqla/hopper/fused_forward_onchip.py) and the inverse-only grouped
-    kernel in the specialisations its GPU tests and `flashqla.bench --compare onchip_forward` use
-    (head counts and lengths are run-time arguments of both)."""
-    from flashqla.hopper.fused_forward_onchip import compile_fused_forward_onchip
-    from flashqla.hopper.grouped_products import compile_grouped_products
+def compile_walks() -> None:
+    """The forward walk (flashqla/hopper/fused_forward.py) and the grouped inverse in every
+    specialisation the tests and the training runs reach (head counts and lengths are run-time
+    arguments of both): V blocks, dtypes, and what the walk stores."""
+    from flashqla.hopper.fused_forward import compile_fused_forward
+    from flashqla.hopper.grouped_inverse import compile_grouped_inverse
 
     started = time.time()
-    # (states, products) kept: none (no autograd), everything, all but the states
-    keeps = ((False, False), (True, True), (False, True))
+    # (states, products) stored: none (no autograd), everything, all but the states, and the states
+    # alone (the backward's walk for keep_for_backward="products")
+    keeps = ((False, False), (True, True), (False, True), (True, False))
     for dtype, beta_dtype in (("bfloat16", "float32"), ("bfloat16", "bfloat16"), ("float16", "float32")):
-        compile_grouped_products(128, dtype, beta_dtype, write_products=False)
+        compile_grouped_inverse(128, dtype, beta_dtype)
         for value_block in (32, 64, 128):
-            for states, products in keeps if dtype == "bfloat16" else keeps[:1]:
-                compile_fused_forward_onchip(value_block, dtype, beta_dtype, 128, states, products)
-    print(f"ours, on-chip walks: {time.time() - started:.0f} s", flush=True)
+            for states, products in keeps:
+                compile_fused_forward(value_block, dtype, beta_dtype, 128, states, products)
+    print(f"ours, walks: {time.time() - started:.0f} s", flush=True)
 
 
 def compile_checks() -> None:
@@ -269,10 +270,10 @@ def main(argv=None) -> None:
             compile_ours(test_shapes, with_initial_state=with_initial_state)
         if test_shapes:
             compile_ours([("4/16 777+1536", (4, 16), [777, 1536])], dtype_name="float16")
-            # a group of 16 value heads per qk head: the per-value-head products kernel
+            # a group of 16 value heads per qk head: the per-value-head inverse kernel
             compile_ours([("1/16 4096", (1, 16), [4096])])
             compile_checks()
-            compile_onchip_walks()
+            compile_walks()
             from flashqla.hopper.causal_conv import compile_conv_backward, compile_conv_forward
 
             for conv_dtype in ("float16", "float32"):  # tests/flashqla/test_causal_conv.py (bfloat16: the checks)
@@ -283,9 +284,6 @@ def main(argv=None) -> None:
                 compile_ours([(f"hard {heads[0]}/{heads[1]} {lens}", heads, lens)], with_initial_state=with_h0)
         if "compare" in sets:
             compile_ours([("16/16 1x131072", (16, 16), [131072])])
-            from flashqla.hopper.grouped_products import compile_grouped_products
-
-            compile_grouped_products(min_blocks_per_sm=4)  # the variant the comparison times beside the default
     if not args.skip_fla:
         compile_fla_tilelang(sorted({heads for _, heads, _ in shapes + model_shapes}))
     if not args.skip_flashqla:

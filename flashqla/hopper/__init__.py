@@ -9,10 +9,10 @@ The math they implement is docs/gdn-math.md. Entries (called with checked inputs
 One file per kernel, in pipeline order:
 
 - cumsum.py: chunk-local cumsum of g (gamma);
-- inverse.py: the gate-free inverse A~ of every chunk;
-- gated_products.py: Ab and P of every chunk, per value head, and the entry that picks between it
-  and grouped_products.py, the same per group of value heads sharing a qk head;
-- fused_forward.py: the forward's sequential walk: o, the final state, the chunk states;
+- grouped_inverse.py: the gate-free inverse A~ of every chunk, one CTA per qk head's group of value heads;
+- inverse.py: the same per value head (groups of more than 8 value heads);
+- fused_forward.py: the forward's sequential walk, which builds Ab and P on chip from A~: o, the final
+  state and, for the backward, the chunk states, Ab and P;
 - chunk_states.py: the state-only walk (chunk states and K x K transitions; the tests' independent check of
   the states the fused walk stores, and what a cross-GPU split of the op would exchange);
 - backward_state_grads.py: the backward's sequential walk: the state gradients;

@@ -2,8 +2,7 @@
 
 1. Without the forward's `KeptForward`, run the forward again for it (forward.py: gamma, A~, Ab,
    P and the state entering every chunk, its walk in pieces); with one that has no chunk states,
-   only the walk (forward.walk_chunks). A~ also comes from inverse.py where the forward's products
-   kernel does not make it.
+   only the walk (forward.walk_chunks, on the forward's own plan: the states come out bitwise).
 2. Walk the chunks in reverse for the state gradient leaving every chunk, and dh0
    (backward_state_grads.py; docs/gdn-math.md §3.1): the only sequential part. Sequences the
    forward's plan cut are walked in the same pieces, each from a decay-truncated warm-up after
@@ -21,9 +20,8 @@ from flashqla.hopper.chunk_plan import device_sm_count, flat_cu_seqlens, plan_fo
 from flashqla.hopper.common import DEFAULT_LOG_DECAY_THRESHOLD, HEAD_DIM, unsupported_inputs
 from flashqla.hopper.forward import KeptForward, forward, walk_chunks
 from flashqla.hopper.fused_forward import MAX_VALUE_BLOCK as FORWARD_MAX_VALUE_BLOCK
-from flashqla.hopper.inverse import gate_free_inverse
 
-# Widest V block of the sequential walks: narrower blocks give more CTAs on the critical path.
+# Widest V block of the state-gradient walk: narrower blocks give more CTAs on the critical path.
 MAX_VALUE_BLOCK = 64
 
 
@@ -60,9 +58,9 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seq
     sm_count = device_sm_count(device)
     if cu_seqlens_host is None:
         cu_seqlens_host = cu_seqlens.tolist()
-    # The forward's plan, from its cache (same key as the forward's): chunk index and offsets.
-    plan = plan_forward(cu_seqlens, num_v_heads, HEAD_DIM, sm_count, FORWARD_MAX_VALUE_BLOCK,
-                        host_bounds=cu_seqlens_host)
+    # The state-gradient walk's plan (pieces of at most 64 V columns); chunk index and offsets are
+    # the forward's.
+    plan = plan_forward(cu_seqlens, num_v_heads, HEAD_DIM, sm_count, MAX_VALUE_BLOCK, host_bounds=cu_seqlens_host)
 
     # The kernels read bf16 operands; float16 inputs are converted once here.
     def flat(x, heads):
@@ -79,17 +77,15 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seq
     # float16 inputs were kept float16: the kernels here read bf16
     gamma = kept.gamma
     gated_inverse, scores = kept.gated_inverse.to(torch.bfloat16), kept.scores.to(torch.bfloat16)
+    inverse = kept.inverse.to(torch.bfloat16)
     if kept.chunk_states is not None:
         states = kept.chunk_states.to(torch.bfloat16)
-    else:  # the forward kept its products but not the states: walk the chunks again for them
+    else:  # the forward kept its products but not the states: walk the chunks again, on its plan
         h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
-        _, _, states = walk_chunks(q_flat, k_flat, v_flat, gamma, gated_inverse, scores, scale, h0, cu_seqlens, plan,
-                                   store_chunk_states=True)
-    if kept.inverse is not None:
-        inverse = kept.inverse.to(torch.bfloat16)
-    else:  # the per-value-head products kernel ran (groups of more than 8 value heads)
-        inverse = gate_free_inverse(k_flat.unsqueeze(0), beta_flat.unsqueeze(0), cu_seqlens, chunk_index=chunk_index)
-        inverse = inverse.view(num_tokens, num_v_heads, -1)
+        forward_plan = plan_forward(cu_seqlens, num_v_heads, HEAD_DIM, sm_count, FORWARD_MAX_VALUE_BLOCK,
+                                    host_bounds=cu_seqlens_host)
+        _, _, states, _, _ = walk_chunks(q_flat, k_flat, v_flat, gamma, beta_flat, inverse, scale, h0, cu_seqlens,
+                                         forward_plan, store_chunk_states=True)
 
     if dht is None:
         dht = torch.zeros(num_sequences, num_v_heads, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=device)

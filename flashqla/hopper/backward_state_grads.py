@@ -5,7 +5,7 @@ The state gradient obeys its own reverse recurrence, independent of the forward 
 
     dDelta = E K dS1 + Pm^T dO,   dU = -D Ab^T dDelta,   dS0 = e^{gamma_C} dS1 + Q^T (scale D dO) + K^T dU
 
-Ab and Pm come precomputed for every chunk (gated_products.py), so the walk holds only the
+Ab and Pm come precomputed for every chunk (kept by the forward walk, fused_forward.py), so the walk holds only the
 dS-dependent products. One CTA per (V block, value head, sequence) walks the chunks in reverse
 with dS (K x BV, float32) in registers, loads pipelined one chunk ahead, stores the gradient
 leaving every chunk (dS1, bf16) for the chunk-parallel kernel (backward_chunk_grads.py), and
@@ -162,7 +162,7 @@ def state_gradients(q, k, gamma, gated_inverse, scores, do, dht, scale, cu_seqle
     """(dS leaving every chunk, bf16 [num_chunks, Hv, 128, 128]; dh0, float32 [N, Hv, 128, 128]).
 
     q, k: [T, Hqk, 128] bf16; gamma (chunk-local cumsum): [T, Hv] fp32; gated_inverse (Ab), scores
-    (Pm, including scale): [T, Hv, 64] bf16 from `gated_products.gated_products`; do: [T, Hv, 128] bf16;
+    (Pm, including scale): [T, Hv, 64] bf16 from the forward (forward.KeptForward); do: [T, Hv, 128] bf16;
     dht: [N, Hv, 128, 128] fp32; cu_seqlens, offsets: int32 [N + 1].
     pieces, walk_end: a forward plan's pieces (every sequence covered by one or more) and
     chunk_plan.walk_ends for them; both None walks every sequence whole.

@@ -16,24 +16,16 @@ from flashqla.hopper.causal_conv import compile_conv_backward, compile_conv_forw
 from flashqla.hopper.chunk_states import compile_chunk_states
 from flashqla.hopper.cumsum import compile_cumsum
 from flashqla.hopper.fused_forward import compile_fused_forward
-from flashqla.hopper.fused_forward_onchip import compile_fused_forward_onchip
-from flashqla.hopper.gated_products import compile_gated_products
-from flashqla.hopper.grouped_products import compile_grouped_products
+from flashqla.hopper.grouped_inverse import compile_grouped_inverse
 from flashqla.hopper.inverse import compile_inverse
 
 COMPILE_CHECKS = [
     ("chunk_local_cumsum", lambda: compile_cumsum()),
     ("gate_free_inverse", lambda: compile_inverse()),
-    ("gated_products", lambda: compile_gated_products()),
+    ("grouped_inverse", lambda: compile_grouped_inverse()),
     ("fused_forward", lambda: compile_fused_forward(64)),
-    ("fused_forward_keeping_states", lambda: compile_fused_forward(64, store_chunk_states=True)),
-    ("fused_forward_onchip", lambda: compile_fused_forward_onchip(64)),
-    ("fused_forward_onchip_keeping_all", lambda: compile_fused_forward_onchip(128, store_chunk_states=True,
-                                                                                store_products=True)),
-    ("grouped_inverse", lambda: compile_grouped_products(write_products=False)),
+    ("fused_forward_keeping_all", lambda: compile_fused_forward(128, store_chunk_states=True, store_products=True)),
     ("chunk_states", lambda: compile_chunk_states(64, with_transition=True)),
-    ("grouped_products", lambda: compile_grouped_products()),
-    ("grouped_products_with_inverse", lambda: compile_grouped_products(write_inverse=True)),
     ("backward_state_grads", lambda: compile_state_grads(32)),
     ("backward_state_grads_pieces", lambda: compile_state_grads(64, pieces=True)),
     ("backward_chunk_grads", compile_chunk_grads),

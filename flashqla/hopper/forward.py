@@ -1,12 +1,12 @@
 """The forward's entry: o and the final state from the kernels, in the order they run.
 
 1. `cumsum.py`: gamma, the chunk-local cumsum of g.
-2. `gated_products.py`: Ab and P of every chunk, in parallel (the grouped kernel of
-   `grouped_products.py` wherever Hv / Hqk <= 8); with `keep_for_backward` also A~.
+2. `grouped_inverse.py`: the gate-free inverse A~ of every chunk, in parallel (`inverse.py`, per
+   value head, where Hv / Hqk > 8).
 3. `chunk_plan.py`: the pieces each CTA walks (cached per cu_seqlens) and, for pieces that do not
    start their sequence, where each head's warm-up starts (docs/gdn-math.md §4).
-4. `fused_forward.py`: the sequential walk over the chunks: o, the final state and, with
-   `keep_for_backward`, the state entering every chunk.
+4. `fused_forward.py`: the sequential walk over the chunks, building Ab and P on chip: o, the final
+   state and, with `keep_for_backward`, Ab, P and the state entering every chunk.
 """
 from typing import NamedTuple
 
@@ -16,9 +16,7 @@ from flashqla.hopper.chunk_plan import ForwardPlan, device_sm_count, flat_cu_seq
 from flashqla.hopper.common import DEFAULT_LOG_DECAY_THRESHOLD, unsupported_inputs
 from flashqla.hopper.cumsum import chunk_local_cumsum
 from flashqla.hopper.fused_forward import MAX_VALUE_BLOCK, fused_forward
-from flashqla.hopper.fused_forward_onchip import fused_forward_onchip
-from flashqla.hopper.gated_products import gated_products
-from flashqla.hopper.grouped_products import MAX_GROUP_SIZE, grouped_inverse
+from flashqla.hopper.grouped_inverse import MAX_GROUP_SIZE, grouped_inverse
 from flashqla.hopper.inverse import gate_free_inverse
 
 
@@ -31,14 +29,13 @@ class KeptForward(NamedTuple):
     gamma: torch.Tensor                # float32 [T, Hv]: chunk-local cumsum of g
     gated_inverse: torch.Tensor        # [T, Hv, 64]: Ab
     scores: torch.Tensor               # [T, Hv, 64]: P
-    inverse: torch.Tensor | None       # [T, Hv, 64]: A~ (None where the per-value-head products kernel ran)
+    inverse: torch.Tensor              # [T, Hv, 64]: A~
     chunk_states: torch.Tensor | None  # [num_chunks, Hv, 128, 128]: the state entering every chunk
 
 
 def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
             log_decay_threshold: float = DEFAULT_LOG_DECAY_THRESHOLD, cu_seqlens_host: list[int] | None = None,
-            keep_for_backward: bool = False, keep_chunk_states: bool = True, products_on_chip: bool = False,
-            max_value_block: int = MAX_VALUE_BLOCK):
+            keep_for_backward: bool = False, keep_chunk_states: bool = True):
     """(o, final_state or None) for q, k [B, T, Hqk, 128], v [B, T, Hv, 128], g, beta [B, T, Hv]
     (q, k already L2-normalised when asked), with a KeptForward third when keep_for_backward.
 
@@ -49,9 +46,6 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
     keep_for_backward: also return a KeptForward, which `backward.backward(..., kept=...)` takes
     instead of recomputing the inverse, the products and the chunk states; keep_chunk_states=False
     leaves the states out of it (T * Hv * 512 bytes).
-    products_on_chip: the candidate walk of fused_forward_onchip.py, which builds Ab and P itself
-    from A~ (same outputs and KeptForward); max_value_block: the widest V block the plan may take
-    (the backward's plan is built at MAX_VALUE_BLOCK: only a forward that keeps nothing may widen it).
     """
     reason = unsupported_inputs(q, v)
     if reason is not None:
@@ -75,33 +69,19 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
     if g.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         g = g.float()
 
-    plan = plan_forward(cu_seqlens, num_v_heads, head_dim, device_sm_count(q.device), max_value_block,
+    plan = plan_forward(cu_seqlens, num_v_heads, head_dim, device_sm_count(q.device), MAX_VALUE_BLOCK,
                         host_bounds=cu_seqlens_host)
     gamma = chunk_local_cumsum(g.reshape(1, num_tokens, num_v_heads), cu_seqlens, chunk_index=plan.chunk_index)
     gamma = gamma.view(num_tokens, num_v_heads)
+    if num_v_heads // num_qk_heads <= MAX_GROUP_SIZE:
+        inverse = grouped_inverse(k_flat, beta_flat, cu_seqlens, plan.chunk_index)
+    else:
+        inverse = gate_free_inverse(k_flat.unsqueeze(0), beta_flat.unsqueeze(0), cu_seqlens,
+                                    chunk_index=plan.chunk_index).view(num_tokens, num_v_heads, -1).to(q.dtype)
     h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
-    keeps_states = keep_for_backward and keep_chunk_states
-    if products_on_chip:
-        if num_v_heads // num_qk_heads <= MAX_GROUP_SIZE:
-            inverse = grouped_inverse(k_flat, gamma, beta_flat, cu_seqlens, plan.chunk_index)
-        else:
-            inverse = gate_free_inverse(k_flat.unsqueeze(0), beta_flat.unsqueeze(0), cu_seqlens,
-                                        chunk_index=plan.chunk_index).view(num_tokens, num_v_heads, -1).to(q.dtype)
-        walk = walk_starts(plan.pieces, cu_seqlens, gamma, log_decay_threshold, plan.max_walk_back,
-                           walk_index=plan.walk_index)
-        o, final_state, chunk_states, gated_inverse, scores = fused_forward_onchip(
-            q_flat, k_flat, v_flat, gamma, beta_flat, inverse, scale, h0, cu_seqlens, plan.value_block, plan.pieces,
-            walk, store_chunk_states=keeps_states, store_products=keep_for_backward, offsets=plan.chunk_offsets,
-            num_chunks=plan.chunk_index.shape[0])
-        o = o.view(batch_size, seq_len, num_v_heads, head_dim)
-        final_state = final_state if output_final_state else None
-        if keep_for_backward:
-            return o, final_state, KeptForward(gamma, gated_inverse, scores, inverse, chunk_states)
-        return o, final_state
-    gated_inverse, scores, inverse = gated_products(q_flat, k_flat, gamma, beta_flat, scale, cu_seqlens,
-                                                    plan.chunk_index, with_inverse=keep_for_backward)
-    o, final_state, chunk_states = walk_chunks(q_flat, k_flat, v_flat, gamma, gated_inverse, scores, scale, h0,
-                                               cu_seqlens, plan, log_decay_threshold, store_chunk_states=keeps_states)
+    o, final_state, chunk_states, gated_inverse, scores = walk_chunks(
+        q_flat, k_flat, v_flat, gamma, beta_flat, inverse, scale, h0, cu_seqlens, plan, log_decay_threshold,
+        store_chunk_states=keep_for_backward and keep_chunk_states, store_products=keep_for_backward)
     o = o.view(batch_size, seq_len, num_v_heads, head_dim)
     final_state = final_state if output_final_state else None
     if keep_for_backward:
@@ -109,12 +89,14 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
     return o, final_state
 
 
-def walk_chunks(q_flat, k_flat, v_flat, gamma, gated_inverse, scores, scale, h0, cu_seqlens, plan: ForwardPlan,
-                log_decay_threshold: float = DEFAULT_LOG_DECAY_THRESHOLD, store_chunk_states: bool = False):
+def walk_chunks(q_flat, k_flat, v_flat, gamma, beta_flat, inverse, scale, h0, cu_seqlens, plan: ForwardPlan,
+                log_decay_threshold: float = DEFAULT_LOG_DECAY_THRESHOLD, store_chunk_states: bool = False,
+                store_products: bool = False):
     """Steps 3-4 on flattened inputs ([T, H, 128]; h0 float32 or None): the warm-up starts of the
-    plan's pieces, then the fused walk. (o, final_state, chunk states or None)."""
+    plan's pieces, then the fused walk. (o, final_state, chunk states, Ab, P; each of the last three
+    None unless stored)."""
     walk = walk_starts(plan.pieces, cu_seqlens, gamma, log_decay_threshold, plan.max_walk_back,
                        walk_index=plan.walk_index)
-    return fused_forward(q_flat, k_flat, v_flat, gamma, gated_inverse, scores, scale, h0, cu_seqlens,
-                         plan.value_block, plan.pieces, walk, store_chunk_states=store_chunk_states,
+    return fused_forward(q_flat, k_flat, v_flat, gamma, beta_flat, inverse, scale, h0, cu_seqlens, plan.value_block,
+                         plan.pieces, walk, store_chunk_states=store_chunk_states, store_products=store_products,
                          offsets=plan.chunk_offsets, num_chunks=plan.chunk_index.shape[0])

@@ -1,27 +1,45 @@
-"""Fused chunked forward of the gated delta rule: o and the final state (docs/gdn-math.md §2.3).
+"""The forward's sequential walk: o, the final state, and for the backward the chunk states, Ab and P
+(docs/gdn-math.md §2.3).
 
 One CTA per (piece, value head, V block) walks 64-token chunks in order with the fp32 state S
 (K x BV) in registers. Per chunk, with gamma the chunk-local cumsum of g:
 
     U = K S0;  W = V - D U;  Delta = Ab W;  O = scale D Q S0 + P Delta;  S1 = e^{gamma_C} S0 + K^T (E Delta)
 
-with Ab = Gm * A~ * beta_col and P = scale Gm * tril(Q K^T) built beforehand for every chunk in
-parallel (gated_products.py), so only the S-dependent products sit on the sequential walk.
+Ab = Gm * A~ * beta_col and P = scale Gm * tril(Q K^T) are made inside the walk from the gate-free
+inverse A~ (grouped_inverse.py / inverse.py), so only one [T, Hv, 64] tensor is read besides the
+inputs. The work of a chunk is spread over three math warpgroups and a producer warpgroup (512
+threads, one CTA per SM):
+
+- warpgroup 0 holds S: writes it to shared memory for the others, decays it, adds K^T (E Delta);
+- warpgroup 1 makes the decays, U, W (in place of V), Delta and E Delta;
+- warpgroup 2 makes Ab (in place of A~) and P, then O = scale D Q S0 + P Delta;
+- warpgroup 3: one warp each loads q/k, v/beta and A~/gamma (double-buffered, TMA for the tiles),
+  the fourth stores o, the chunk states and, for the backward, Ab and P.
+
+No role waits for a whole chunk to end: the walk's chain is warpgroup 0's copy of S, warpgroup
+1's two products and warpgroup 0's update, while warpgroup 2's output and the stores of chunk c
+overlap chunk c + 1. Buffers written once a chunk are double-buffered by chunk parity, or have a
+`*_free` barrier that their next writer waits on; every mbarrier is one per stage, so none can
+complete twice before all its waiters have seen it complete once (each waiter waits before it
+releases the stage, and each arriver arrives only after the stage was refilled).
 
 A piece is a run of whole chunks of one sequence (the whole sequence unless it is split for
 intra-card context parallelism). Its CTA starts walking at `walk_start` (a chunk boundary at or
-before the piece start, from zero state, or from h0 at the sequence start) and writes o only for
-the piece's own chunks: the warm-up chunks rebuild the entering state (see chunk_plan.py).
+before the piece start, from zero state, or from h0 at the sequence start) and writes its outputs
+only for the piece's own chunks: the warm-up chunks rebuild the entering state (chunk_plan.py).
 
 Whole 64-row tiles are loaded even past a sequence end (rows of the next sequence, or zeros past
-the tensor). Valid rows of Ab and P are zero in those columns, those rows get E = 0 and gamma
-clamped to the sequence's last value, so they never reach valid rows or the state, and their o rows
-are not stored.
+the tensor). Ab and P are lower triangular, so valid rows never read those columns; those rows get
+E = 0 and gamma clamped to the sequence's last value, so they never reach valid rows or the state,
+and their outputs are not stored.
 
-Head counts, lengths and the scale are run-time values: one compiled kernel per (V block, dtype).
+Head counts, lengths and the scale are run-time values: one compiled kernel per (V block, dtypes,
+what is stored).
 """
 
 import functools
+from types import SimpleNamespace
 
 import tilelang.language as T
 import torch
@@ -30,154 +48,312 @@ from flashqla.hopper.chunk_plan import PIECE_FIELDS, chunk_offsets
 from flashqla.hopper.common import CHUNK_SIZE, HEAD_DIM, LOG2E, compile_for_hopper, dtype_name
 
 _C = CHUNK_SIZE
-# TileLang's automatic warp specialisation gives the TMA producer as many threads as the consumers,
-# capping every thread at 128 registers: a 128-wide V block spills there, 64 does not (much).
-MAX_VALUE_BLOCK = 64
+_WARPGROUP = 128
+_THREADS = 4 * _WARPGROUP
+_MATH_REGISTERS = 152
 
 
-def fused_forward_program(value_block: int, dtype: str = "bfloat16", head_dim: int = HEAD_DIM,
-                          store_chunk_states: bool = False, threads: int = 256, num_stages: int = 2):
+def _register_split(value_block: int) -> tuple[int, int]:
+    """(producer, state warpgroup) registers per thread after setmaxnreg, beside _MATH_REGISTERS for the
+    other two: 4 x 128 threads must fit the SM's 64K. S alone takes BV of the state warpgroup's; the
+    producer spills below 56 at BV <= 64 (ptxas, sm_90a)."""
+    return (40, 168) if value_block > 64 else (56, 152)
+MAX_VALUE_BLOCK = 128
+
+
+def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype: str = "float32",
+                                 head_dim: int = HEAD_DIM, store_chunk_states: bool = False,
+                                 store_products: bool = False):
     num_tokens = T.dynamic("num_tokens")
     num_sequences = T.dynamic("num_sequences")
     num_pieces = T.dynamic("num_pieces")
     num_chunks = T.dynamic("num_chunks")
+    product_rows = T.dynamic("product_rows")
     num_v_heads = T.dynamic("num_v_heads")
     num_qk_heads = T.dynamic("num_qk_heads")
     K = head_dim
-    V = head_dim
     BV = value_block
-    value_blocks = V // BV
+    value_blocks = head_dim // BV
+    producer_registers, state_registers = _register_split(BV)
+    # Producer warps arrive on `tiles_full`; every consumer thread and the store warp on `tiles_free`.
+    loader_threads = 3 * 32
+    reader_threads = 3 * _WARPGROUP + 32
+
+    # Each role is a macro: written inline, the branches nest deeper than Python allows.
+    @T.macro
+    def state_warpgroup(sh, cta, initial_state, final_state):
+        """Warpgroup 0: S in registers; hands S0 to the others, then S1 = e^{gamma_C} S0 + K^T (E Delta)."""
+        T.set_max_nreg(state_registers, 1)
+        state = T.alloc_fragment((K, BV), "float32")
+        chunk_decay = T.alloc_var("float32")
+        if cta.use_initial_state != 0 and cta.walk == cta.seq_start:
+            T.copy(initial_state[cta.sequence, cta.head, 0:K, cta.v0:cta.v0 + BV], state)
+        else:
+            T.clear(state)
+        for c in T.serial(cta.n_chunks):
+            stage = c % 2
+            T.barrier_wait(sh.tiles_full[stage], (c // 2) % 2)
+            if c > 0:
+                T.barrier_wait(sh.state_free[1 - stage], ((c - 1) // 2) % 2)
+            T.copy(state, sh.state)
+            T.fence_proxy_async()
+            T.barrier_arrive(sh.state_ready[stage])
+            T.barrier_wait(sh.decays_ready[stage], (c // 2) % 2)
+            chunk_decay = sh.row_decay[stage, _C - 1]
+            for i, j in T.Parallel(K, BV):
+                state[i, j] = state[i, j] * chunk_decay
+            T.barrier_wait(sh.delta_ready[stage], (c // 2) % 2)
+            T.gemm(sh.k[stage, :, :], sh.decayed_delta, state, transpose_A=True)
+            T.barrier_arrive(sh.tiles_free[stage])
+        if cta.ends_sequence != 0:
+            T.copy(state, final_state[cta.sequence, cta.head, 0:K, cta.v0:cta.v0 + BV])
+
+    @T.macro
+    def delta_warpgroup(sh, cta):
+        """Warpgroup 1: the decays, U = K S0, W = V - D U (into V's buffer), Delta = Ab W and E Delta."""
+        T.set_max_nreg(_MATH_REGISTERS, 1)
+        u = T.alloc_fragment((_C, BV), "float32")
+        delta = T.alloc_fragment((_C, BV), "float32")
+        for c in T.serial(cta.n_chunks):
+            stage = c % 2
+            last = T.min(cta.end - (cta.walk + c * _C), _C) - 1
+            T.barrier_wait(sh.tiles_full[stage], (c // 2) % 2)
+            for t in T.Parallel(_C):
+                sh.row_decay[stage, t] = T.exp2(sh.gamma[stage, t])
+                sh.end_decay[stage, t] = T.if_then_else(
+                    t <= last, T.exp2(sh.gamma[stage, _C - 1] - sh.gamma[stage, t]), 0.0)
+            T.barrier_arrive(sh.decays_ready[stage])
+            T.barrier_wait(sh.decays_ready[stage], (c // 2) % 2)
+            T.barrier_wait(sh.state_ready[stage], (c // 2) % 2)
+            T.gemm(sh.k[stage, :, :], sh.state, u, clear_accum=True)
+            # Each loop either reads or writes shared memory: a loop that reads a stage-indexed shared
+            # array and writes another gets a barrier per element from TileLang.
+            for t, j in T.Parallel(_C, BV):
+                u[t, j] = sh.v[stage, t, j] - sh.row_decay[stage, t] * u[t, j]
+            T.copy(u, sh.v[stage, :, :])
+            T.fence_proxy_async()
+            T.barrier_wait(sh.ab_ready[stage], (c // 2) % 2)
+            T.gemm(sh.a[stage, :, :], sh.v[stage, :, :], delta, clear_accum=True)
+            # E Delta's buffer is free: warpgroup 0 finished reading it before it handed out this chunk's S0.
+            if c > 0:
+                T.barrier_wait(sh.delta_free[1 - stage], ((c - 1) // 2) % 2)
+            T.copy(delta, sh.delta)
+            for t, j in T.Parallel(_C, BV):
+                delta[t, j] = delta[t, j] * sh.end_decay[stage, t]
+            T.copy(delta, sh.decayed_delta)
+            T.fence_proxy_async()
+            T.barrier_arrive(sh.delta_ready[stage])
+            T.barrier_arrive(sh.tiles_free[stage])
+
+    @T.macro
+    def output_warpgroup(sh, cta):
+        """Warpgroup 2: Ab (into A~'s buffer), P, then O = scale D Q S0 + P Delta."""
+        T.set_max_nreg(_MATH_REGISTERS, 1)
+        ab = T.alloc_fragment((_C, _C), "float32")
+        qk = T.alloc_fragment((_C, _C), "float32")
+        out = T.alloc_fragment((_C, BV), "float32")
+        for c in T.serial(cta.n_chunks):
+            stage = c % 2
+            T.barrier_wait(sh.tiles_full[stage], (c // 2) % 2)
+            # Through registers: updated in place in shared memory, TileLang would put a barrier
+            # between every two elements.
+            T.copy(sh.a[stage, :, :], ab)
+            for t, s in T.Parallel(_C, _C):
+                ab[t, s] = T.if_then_else(
+                    s <= t, T.exp2(sh.gamma[stage, t] - sh.gamma[stage, s]) * sh.beta[stage, s] * ab[t, s], 0.0)
+            T.copy(ab, sh.a[stage, :, :])
+            T.fence_proxy_async()
+            T.barrier_arrive(sh.ab_ready[stage])
+            T.gemm(sh.q[stage, :, :], sh.k[stage, :, :], qk, transpose_B=True, clear_accum=True)
+            for t, s in T.Parallel(_C, _C):
+                sh.p[stage, t, s] = T.if_then_else(
+                    s <= t, T.exp2(sh.gamma[stage, t] - sh.gamma[stage, s]) * cta.scale * qk[t, s], 0.0)
+            T.fence_proxy_async()
+            T.barrier_wait(sh.state_ready[stage], (c // 2) % 2)
+            T.gemm(sh.q[stage, :, :], sh.state, out, clear_accum=True)
+            T.barrier_arrive(sh.state_free[stage])
+            T.barrier_wait(sh.decays_ready[stage], (c // 2) % 2)
+            for t, j in T.Parallel(_C, BV):
+                out[t, j] = out[t, j] * (sh.row_decay[stage, t] * cta.scale)
+            T.barrier_wait(sh.delta_ready[stage], (c // 2) % 2)
+            T.gemm(sh.p[stage, :, :], sh.delta, out)
+            T.barrier_arrive(sh.delta_free[stage])
+            if c > 0:
+                T.barrier_wait(sh.o_free[1 - stage], ((c - 1) // 2) % 2)
+            T.copy(out, sh.o)
+            T.fence_proxy_async()
+            T.barrier_arrive(sh.o_ready[stage])
+            T.barrier_arrive(sh.tiles_free[stage])
+
+    @T.macro
+    def load_qk(sh, cta, q, k):
+        for c in T.serial(cta.n_chunks):
+            stage = c % 2
+            left = cta.walk + c * _C
+            T.barrier_wait(sh.tiles_free[stage], (c // 2 + 1) % 2)
+            T.tma_copy(q[left:left + _C, cta.qk_head, 0:K], sh.q[stage, :, :], barrier=sh.tiles_full[stage])
+            T.tma_copy(k[left:left + _C, cta.qk_head, 0:K], sh.k[stage, :, :], barrier=sh.tiles_full[stage])
+            T.barrier_arrive(sh.tiles_full[stage])
+
+    @T.macro
+    def load_v_beta(sh, cta, v, beta):
+        for c in T.serial(cta.n_chunks):
+            stage = c % 2
+            left = cta.walk + c * _C
+            last = T.min(cta.end - left, _C) - 1
+            T.barrier_wait(sh.tiles_free[stage], (c // 2 + 1) % 2)
+            T.tma_copy(v[left:left + _C, cta.head, cta.v0:cta.v0 + BV], sh.v[stage, :, :],
+                       barrier=sh.tiles_full[stage])
+            for t in T.Parallel(_C):
+                sh.beta[stage, t] = T.cast(beta[left + T.min(t, last), cta.head], "float32")
+            T.barrier_arrive(sh.tiles_full[stage])
+
+    @T.macro
+    def load_inverse_gamma(sh, cta, inverse, gamma):
+        for c in T.serial(cta.n_chunks):
+            stage = c % 2
+            left = cta.walk + c * _C
+            last = T.min(cta.end - left, _C) - 1
+            T.barrier_wait(sh.tiles_free[stage], (c // 2 + 1) % 2)
+            T.tma_copy(inverse[left:left + _C, cta.head, 0:_C], sh.a[stage, :, :], barrier=sh.tiles_full[stage])
+            for t in T.Parallel(_C):
+                sh.gamma[stage, t] = gamma[left + T.min(t, last), cta.head] * LOG2E
+            T.barrier_arrive(sh.tiles_full[stage])
+
+    @T.macro
+    def store_outputs(sh, cta, o, chunk_states, gated_inverse, scores):
+        """The store warp: o, the chunk states, Ab and P of the piece's own chunks."""
+        for c in T.serial(cta.n_chunks):
+            stage = c % 2
+            left = cta.walk + c * _C
+            last = T.min(cta.end - left, _C) - 1
+            own = left >= cta.piece_start
+            T.barrier_wait(sh.state_ready[stage], (c // 2) % 2)
+            if store_chunk_states and own:
+                T.copy(sh.state, chunk_states[cta.first_chunk + (left - cta.seq_start) // _C, cta.head,
+                                              0:K, cta.v0:cta.v0 + BV])
+            T.barrier_arrive(sh.state_free[stage])
+            T.barrier_wait(sh.o_ready[stage], (c // 2) % 2)
+            if own and left + _C <= cta.end:
+                T.copy(sh.o, o[left:left + _C, cta.head, cta.v0:cta.v0 + BV])
+            if own and left + _C > cta.end:
+                for t, j in T.Parallel(_C, BV):
+                    if t <= last:
+                        o[left + t, cta.head, cta.v0 + j] = sh.o[t, j]
+            T.barrier_arrive(sh.o_free[stage])
+            if store_products and own and cta.vb == 0 and left + _C <= cta.end:
+                T.copy(sh.a[stage, :, :], gated_inverse[left:left + _C, cta.head, 0:_C])
+                T.copy(sh.p[stage, :, :], scores[left:left + _C, cta.head, 0:_C])
+            if store_products and own and cta.vb == 0 and left + _C > cta.end:
+                for t, s in T.Parallel(_C, _C):
+                    if t <= last:
+                        gated_inverse[left + t, cta.head, s] = sh.a[stage, t, s]
+                        scores[left + t, cta.head, s] = sh.p[stage, t, s]
+            T.barrier_arrive(sh.tiles_free[stage])
 
     @T.prim_func
     def fused_forward_kernel(
         q: T.Tensor((num_tokens, num_qk_heads, K), dtype),
         k: T.Tensor((num_tokens, num_qk_heads, K), dtype),
-        v: T.Tensor((num_tokens, num_v_heads, V), dtype),
+        v: T.Tensor((num_tokens, num_v_heads, head_dim), dtype),
         gamma: T.Tensor((num_tokens, num_v_heads), "float32"),
-        gated_inverse: T.Tensor((num_tokens, num_v_heads, _C), dtype),
-        scores: T.Tensor((num_tokens, num_v_heads, _C), dtype),
-        initial_state: T.Tensor((num_sequences, num_v_heads, K, V), "float32"),
+        beta: T.Tensor((num_tokens, num_v_heads), beta_dtype),
+        inverse: T.Tensor((num_tokens, num_v_heads, _C), dtype),
+        initial_state: T.Tensor((num_sequences, num_v_heads, K, head_dim), "float32"),
         cu_seqlens: T.Tensor((num_sequences + 1,), "int32"),
         chunk_offsets: T.Tensor((num_sequences + 1,), "int32"),
         pieces: T.Tensor((num_pieces, PIECE_FIELDS), "int32"),
         walk_start: T.Tensor((num_pieces, num_v_heads), "int32"),
-        o: T.Tensor((num_tokens, num_v_heads, V), dtype),
-        final_state: T.Tensor((num_sequences, num_v_heads, K, V), "float32"),
-        chunk_states: T.Tensor((num_chunks, num_v_heads, K, V), dtype),
+        o: T.Tensor((num_tokens, num_v_heads, head_dim), dtype),
+        final_state: T.Tensor((num_sequences, num_v_heads, K, head_dim), "float32"),
+        chunk_states: T.Tensor((num_chunks, num_v_heads, K, head_dim), dtype),
+        gated_inverse: T.Tensor((product_rows, num_v_heads, _C), dtype),
+        scores: T.Tensor((product_rows, num_v_heads, _C), dtype),
         scale: T.float32,
         use_initial_state: T.int32,
     ):
-        with T.Kernel(value_blocks, num_v_heads, num_pieces, threads=threads) as (vb, head, piece):
-            qk_head = head // (num_v_heads // num_qk_heads)
-            v0 = vb * BV
+        with T.Kernel(value_blocks, num_v_heads, num_pieces, threads=_THREADS) as (vb, head, piece):
             sequence = pieces[piece, 0]
-            piece_start = pieces[piece, 1]
-            end = pieces[piece, 2]
-            ends_sequence = pieces[piece, 3]
             walk = walk_start[piece, head]
-            n_chunks = T.ceildiv(end - walk, _C)
-            first_chunk = chunk_offsets[sequence]
-
-            q_shared = T.alloc_shared((_C, K), dtype)
-            k_shared = T.alloc_shared((_C, K), dtype)
-            v_shared = T.alloc_shared((_C, BV), dtype)
-            ab_shared = T.alloc_shared((_C, _C), dtype)
-            p_shared = T.alloc_shared((_C, _C), dtype)
-            gamma_shared = T.alloc_shared((_C,), "float32")
-            # Consumer-side copies: TileLang's producer may refill gamma_shared as soon as the first
-            # products of the chunk are issued, so the decays are taken out of it first.
-            row_decay = T.alloc_shared((_C,), "float32")
-            end_decay = T.alloc_shared((_C,), "float32")
-            state_shared = T.alloc_shared((K, BV), dtype)
-            w_shared = T.alloc_shared((_C, BV), dtype)
-            delta_shared = T.alloc_shared((_C, BV), dtype)
-            decayed_delta_shared = T.alloc_shared((_C, BV), dtype)
-            o_shared = T.alloc_shared((_C, BV), dtype)
-
-            state = T.alloc_fragment((K, BV), "float32")
-            u = T.alloc_fragment((_C, BV), "float32")
-            out = T.alloc_fragment((_C, BV), "float32")
-            delta = T.alloc_fragment((_C, BV), "float32")
-            chunk_decay = T.alloc_var("float32")
-
-            if use_initial_state != 0 and walk == cu_seqlens[sequence]:
-                T.copy(initial_state[sequence, head, 0:K, v0:v0 + BV], state)
+            cta = SimpleNamespace(
+                vb=vb, head=head, qk_head=head // (num_v_heads // num_qk_heads), v0=vb * BV, sequence=sequence,
+                piece_start=pieces[piece, 1], end=pieces[piece, 2], ends_sequence=pieces[piece, 3], walk=walk,
+                n_chunks=T.ceildiv(pieces[piece, 2] - walk, _C), first_chunk=chunk_offsets[sequence],
+                seq_start=cu_seqlens[sequence], scale=scale, use_initial_state=use_initial_state)
+            sh = SimpleNamespace(
+                # Double-buffered: filled by the producer warps for chunk c into stage c % 2, or written
+                # in chunk c by the warpgroups; refilled only after every role released the stage.
+                q=T.alloc_shared((2, _C, K), dtype),
+                k=T.alloc_shared((2, _C, K), dtype),
+                v=T.alloc_shared((2, _C, BV), dtype),           # V, then W in place
+                a=T.alloc_shared((2, _C, _C), dtype),           # A~, then Ab in place
+                gamma=T.alloc_shared((2, _C), "float32"),       # log2 units, clamped past the end
+                beta=T.alloc_shared((2, _C), "float32"),
+                p=T.alloc_shared((2, _C, _C), dtype),
+                row_decay=T.alloc_shared((2, _C), "float32"),
+                end_decay=T.alloc_shared((2, _C), "float32"),
+                # Single: each has a *_free barrier its next writer waits on (E Delta's: state_ready).
+                state=T.alloc_shared((K, BV), dtype),
+                delta=T.alloc_shared((_C, BV), dtype),
+                decayed_delta=T.alloc_shared((_C, BV), dtype),
+                o=T.alloc_shared((_C, BV), dtype),
+                # Per stage, so that one completes once per two chunks, after all its waiters of the
+                # chunk before released the stage (tiles_free): no waiter can miss a phase.
+                tiles_full=T.alloc_barrier(arrive_count=[loader_threads] * 2),
+                tiles_free=T.alloc_barrier(arrive_count=[reader_threads] * 2),
+                state_ready=T.alloc_barrier(arrive_count=[_WARPGROUP] * 2),
+                state_free=T.alloc_barrier(arrive_count=[_WARPGROUP + 32] * 2),   # warpgroup 2, store warp
+                decays_ready=T.alloc_barrier(arrive_count=[_WARPGROUP] * 2),
+                ab_ready=T.alloc_barrier(arrive_count=[_WARPGROUP] * 2),
+                delta_ready=T.alloc_barrier(arrive_count=[_WARPGROUP] * 2),
+                delta_free=T.alloc_barrier(arrive_count=[_WARPGROUP] * 2),
+                o_ready=T.alloc_barrier(arrive_count=[_WARPGROUP] * 2),
+                o_free=T.alloc_barrier(arrive_count=[32] * 2),
+            )
+            tx = T.get_thread_binding()
+            if tx < _WARPGROUP:
+                state_warpgroup(sh, cta, initial_state, final_state)
+            elif tx < 2 * _WARPGROUP:
+                delta_warpgroup(sh, cta)
+            elif tx < 3 * _WARPGROUP:
+                output_warpgroup(sh, cta)
             else:
-                T.clear(state)
-
-            for c in T.Pipelined(n_chunks, num_stages=num_stages):
-                left = walk + c * _C
-                T.copy(q[left:left + _C, qk_head, 0:K], q_shared)
-                T.copy(k[left:left + _C, qk_head, 0:K], k_shared)
-                T.copy(v[left:left + _C, head, v0:v0 + BV], v_shared)
-                T.copy(gated_inverse[left:left + _C, head, 0:_C], ab_shared)
-                T.copy(scores[left:left + _C, head, 0:_C], p_shared)
-                last = T.min(end - left, _C) - 1
-                for t in T.Parallel(_C):
-                    gamma_shared[t] = gamma[left + T.min(t, last), head] * LOG2E
-
-                for t in T.Parallel(_C):
-                    row_decay[t] = T.exp2(gamma_shared[t])
-                    end_decay[t] = T.if_then_else(t <= last, T.exp2(gamma_shared[_C - 1] - gamma_shared[t]), 0.0)
-                T.copy(state, state_shared)
-                if store_chunk_states:
-                    # The piece's own chunks only: a warm-up chunk belongs to the piece before,
-                    # whose CTA stores it.
-                    if left >= piece_start:
-                        T.copy(state_shared, chunk_states[first_chunk + (left - cu_seqlens[sequence]) // _C, head,
-                                                          0:K, v0:v0 + BV])
-                T.gemm(k_shared, state_shared, u, clear_accum=True)
-                T.gemm(q_shared, state_shared, out, clear_accum=True)
-                chunk_decay = row_decay[_C - 1]
-
-                for t, j in T.Parallel(_C, BV):
-                    w_shared[t, j] = v_shared[t, j] - row_decay[t] * u[t, j]
-                T.gemm(ab_shared, w_shared, delta, clear_accum=True)
-                for t, j in T.Parallel(_C, BV):
-                    delta_shared[t, j] = delta[t, j]
-                    decayed_delta_shared[t, j] = end_decay[t] * delta[t, j]
-                for t, j in T.Parallel(_C, BV):
-                    out[t, j] = out[t, j] * (row_decay[t] * scale)
-                T.gemm(p_shared, delta_shared, out)
-                for i, j in T.Parallel(K, BV):
-                    state[i, j] = state[i, j] * chunk_decay
-                T.gemm(k_shared, decayed_delta_shared, state, transpose_A=True)
-
-                if left >= piece_start:
-                    T.copy(out, o_shared)
-                    if left + _C <= end:
-                        T.copy(o_shared, o[left:left + _C, head, v0:v0 + BV])
-                    else:
-                        for t, j in T.Parallel(_C, BV):
-                            if t <= last:
-                                o[left + t, head, v0 + j] = o_shared[t, j]
-
-            if ends_sequence != 0:
-                T.copy(state, final_state[sequence, head, 0:K, v0:v0 + BV])
+                T.set_max_nreg(producer_registers, 0)
+                if tx < 3 * _WARPGROUP + 32:
+                    load_qk(sh, cta, q, k)
+                elif tx < 3 * _WARPGROUP + 64:
+                    load_v_beta(sh, cta, v, beta)
+                elif tx < 3 * _WARPGROUP + 96:
+                    load_inverse_gamma(sh, cta, inverse, gamma)
+                else:
+                    store_outputs(sh, cta, o, chunk_states, gated_inverse, scores)
 
     return fused_forward_kernel
 
 
 @functools.lru_cache(maxsize=None)
-def compile_fused_forward(value_block: int, dtype: str = "bfloat16", head_dim: int = HEAD_DIM,
-                          store_chunk_states: bool = False):
-    program = fused_forward_program(value_block, dtype, head_dim, store_chunk_states)
+def compile_fused_forward(value_block: int, dtype: str = "bfloat16", beta_dtype: str = "float32",
+                                 head_dim: int = HEAD_DIM, store_chunk_states: bool = False,
+                                 store_products: bool = False):
+    program = fused_forward_program(value_block, dtype, beta_dtype, head_dim, store_chunk_states,
+                                           store_products)
     return compile_for_hopper(program, fast_math=True)
 
 
 def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma: torch.Tensor,
-                  gated_inverse: torch.Tensor, scores: torch.Tensor, scale: float, initial_state: torch.Tensor | None,
-                  cu_seqlens: torch.Tensor, value_block: int, pieces: torch.Tensor, walk_start: torch.Tensor,
-                  store_chunk_states: bool = False, offsets: torch.Tensor | None = None,
-                  num_chunks: int | None = None):
-    """(o, final_state, chunk_states or None) on flattened inputs.
+                         beta: torch.Tensor, inverse: torch.Tensor, scale: float, initial_state: torch.Tensor | None,
+                         cu_seqlens: torch.Tensor, value_block: int, pieces: torch.Tensor, walk_start: torch.Tensor,
+                         store_chunk_states: bool = False, store_products: bool = False,
+                         offsets: torch.Tensor | None = None, num_chunks: int | None = None):
+    """(o, final_state, chunk_states or None, gated_inverse or None, scores or None) on flattened inputs.
 
-    q, k: [T, Hqk, K]; v: [T, Hv, V]; gamma (fp32 chunk-local cumsum): [T, Hv];
-    gated_inverse, scores: [T, Hv, 64] from gated_products.gated_products; initial_state: [N, Hv, K, V] fp32 or None; cu_seqlens: int32 [N+1];
-    pieces, walk_start: from chunk_plan.plan_pieces / walk_starts. store_chunk_states: also return the
-    state entering every chunk, [num_chunks, Hv, K, V] in v's dtype (chunk c of sequence n at row
-    offsets[n] + c); in a split sequence each piece's states come from its own (warm-up) walk.
-    num_chunks: offsets' last entry when the caller knows it.
+    q, k: [T, Hqk, K]; v: [T, Hv, V]; gamma (fp32 chunk-local cumsum), beta: [T, Hv]; inverse: the
+    gate-free A~, [T, Hv, 64] in q's dtype; initial_state: [N, Hv, K, V] fp32 or None; cu_seqlens:
+    int32 [N+1]; pieces, walk_start: from chunk_plan.plan_pieces / walk_starts; value_block: the plan's.
+    store_chunk_states: also return the state entering every chunk, [num_chunks, Hv, K, V] in v's
+    dtype (chunk c of sequence n at row offsets[n] + c); in a split sequence each piece's states come
+    from its own (warm-up) walk. num_chunks: offsets' last entry when the caller knows it.
+    store_products: also return Ab and P, [T, Hv, 64] each in v's dtype, which the backward reads.
     """
     num_tokens, num_qk_heads, head_dim = k.shape
     num_v_heads = v.shape[1]
@@ -195,8 +371,13 @@ def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma: torc
     else:  # num_chunks (the plan's) spares a device->host read
         total_chunks = int(offsets[-1].item()) if num_chunks is None else num_chunks
     states = torch.empty(max(total_chunks, 1), num_v_heads, head_dim, head_dim, dtype=v.dtype, device=device)
+    product_rows = num_tokens if store_products else 1
+    gated_inverse = torch.empty(product_rows, num_v_heads, _C, dtype=v.dtype, device=device)
+    scores = torch.empty_like(gated_inverse)
     o = torch.empty_like(v)
-    kernel = compile_fused_forward(value_block, dtype_name(v), head_dim, store_chunk_states)
-    kernel(q, k, v, gamma, gated_inverse, scores, initial_state, cu_seqlens, offsets, pieces, walk_start, o, final_state,
-           states, float(scale), int(use_initial_state))
-    return o, final_state, (states if store_chunk_states else None)
+    kernel = compile_fused_forward(value_block, dtype_name(v), dtype_name(beta), head_dim,
+                                          store_chunk_states, store_products)
+    kernel(q, k, v, gamma, beta, inverse, initial_state, cu_seqlens, offsets, pieces, walk_start, o, final_state,
+           states, gated_inverse, scores, float(scale), int(use_initial_state))
+    return (o, final_state, states if store_chunk_states else None,
+            gated_inverse if store_products else None, scores if store_products else None)

@@ -2,7 +2,8 @@
 
 Stored in bf16 as [B, T, Hv, 64] (row t of its chunk's matrix), the backward's operand when the
 forward kept none; bf16 rounding of A~ stays well inside the error budget. The solve itself
-(`make_inverse_into`) is shared with the per-value-head kernel of gated_products.py.
+(`make_inverse_into`) is a macro of its own: the kernel here is the per-value-head one, for groups of
+more than 8 value heads (grouped_inverse.py serves the rest).
 """
 
 import functools

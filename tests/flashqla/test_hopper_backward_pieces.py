@@ -35,7 +35,7 @@ def backward_with(inputs, do, dht, exact: bool = False, kept=None):
 def _plan_and_gamma(inputs):
     from flashqla.hopper.chunk_plan import device_sm_count, plan_forward
     from flashqla.hopper.cumsum import chunk_local_cumsum
-    from flashqla.hopper.fused_forward import MAX_VALUE_BLOCK
+    from flashqla.hopper.backward import MAX_VALUE_BLOCK
 
     num_tokens, num_v_heads = inputs["g"].shape[1:]
     cu = inputs["cu_seqlens"]
@@ -50,15 +50,17 @@ def test_exact_pieces_give_bitwise_the_whole_sequence_walk(case):
     whole-sequence walk's steps for its own chunks: the same bits."""
     from flashqla.hopper.backward_state_grads import state_gradients
     from flashqla.hopper.chunk_plan import walk_ends
-    from flashqla.hopper.gated_products import gated_products
+    from flashqla.hopper.forward import forward
 
     heads, lengths = CUT_CASES[case]
     inputs, do, dht = make_backward_inputs(lengths, *heads, True, strong_decay=True)
     plan, gamma = _plan_and_gamma(inputs)
     assert plan.walk_ahead_index is not None, "the planner did not cut this case"
     q, k = inputs["q"][0], inputs["k"][0]
-    beta = inputs["beta"][0]
-    ab, p, _ = gated_products(q, k, gamma, beta, SCALE, inputs["cu_seqlens"], plan.chunk_index)
+    _, _, kept = forward(inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"], SCALE,
+                         inputs["initial_state"], False, inputs["cu_seqlens"], keep_for_backward=True)
+    assert torch.equal(kept.gamma, gamma)
+    ab, p = kept.gated_inverse, kept.scores
     args = (q, k, gamma, ab, p, do[0], dht, SCALE, inputs["cu_seqlens"], plan.chunk_offsets,
             plan.chunk_index.shape[0], plan.value_block)
     whole = state_gradients(*args)

@@ -17,10 +17,10 @@ if not on_hopper:
 from flashqla.hopper.forward import forward  # noqa: E402  (imports tilelang; only where the kernels can run)
 
 
-def run_forward(inputs):
+def run_forward(inputs, **kwargs):
     poison_allocator()
     return forward(inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"], None,
-                          inputs["initial_state"], True, inputs["cu_seqlens"])
+                   inputs["initial_state"], True, inputs["cu_seqlens"], **kwargs)
 
 
 @pytest.mark.parametrize("with_initial_state", [True, False], ids=["h0", "no_h0"])
@@ -42,19 +42,36 @@ def test_forward_matches_float64_reference(heads, lengths, with_initial_state):
 
 @pytest.mark.parametrize("heads", [(16, 64), (2, 8)], ids=["16_64", "2_8"])
 def test_forward_is_bitwise_deterministic(heads):
+    """o, the final state and every kept tensor (the walk's stores of Ab, P and the chunk states)."""
     inputs = make_inputs(RAGGED + [4096], *heads, with_initial_state=True, seed=7)
     o1, s1 = run_forward(inputs)
     o2, s2 = run_forward(inputs)
     assert torch.equal(o1, o2) and torch.equal(s1, s2)
+    first, second = (run_forward(inputs, keep_for_backward=True) for _ in range(2))
+    for a, b in zip(first[:2] + tuple(first[2]), second[:2] + tuple(second[2])):
+        assert torch.equal(a, b)
 
 
-def test_forward_float16_inputs():
-    inputs = make_inputs([777, 1536], 4, 16, with_initial_state=True, dtype=torch.float16, seed=3)
-    o, final_state = run_forward(inputs)
+def assert_matches_float64(inputs, o, final_state):
+    torch.cuda.synchronize()
+    assert torch.isfinite(o).all() and torch.isfinite(final_state).all()
     ref_o, ref_state = float64_reference(inputs)
-    assert o.dtype == torch.float16
     assert relative_error(o, ref_o) <= TOLERANCE
     assert relative_error(final_state, ref_state) <= TOLERANCE
+
+
+def test_forward_other_dtypes_and_groups():
+    """float16 q/k/v; bf16 beta (the model's); a group of 16 value heads per qk head (A~ from the
+    per-value-head inverse kernel)."""
+    inputs = make_inputs([777, 1536], 4, 16, with_initial_state=True, dtype=torch.float16, seed=3)
+    o, final_state = run_forward(inputs)
+    assert o.dtype == torch.float16
+    assert_matches_float64(inputs, o, final_state)
+    inputs = make_inputs([777, 1536], 4, 16, with_initial_state=True, seed=4)
+    inputs["beta"] = inputs["beta"].to(torch.bfloat16)
+    assert_matches_float64(inputs, *run_forward(inputs))
+    inputs = make_inputs([1000, 129], 1, 16, with_initial_state=False, seed=6)
+    assert_matches_float64(inputs, *run_forward(inputs))
 
 
 def test_chunk_states_match_fused_forward_final_state():
