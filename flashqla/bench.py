@@ -168,9 +168,8 @@ def forward_breakdown(inputs: dict, rep_ms: int, like_the_model: bool = False) -
 
     from flashqla.hopper.chunk_plan import build_forward_plan, plan_forward, walk_starts
     from flashqla.hopper.cumsum import chunk_local_cumsum
-    from flashqla.hopper.forward import walk_chunks
+    from flashqla.hopper.forward import chunk_inverses, walk_chunks
     from flashqla.hopper.fused_forward import MAX_VALUE_BLOCK
-    from flashqla.hopper.grouped_inverse import grouped_inverse
     from flashqla.l2norm import l2_normalize
 
     q, k, v, g, beta = _breakdown_operands(inputs, like_the_model)
@@ -182,7 +181,7 @@ def forward_breakdown(inputs: dict, rep_ms: int, like_the_model: bool = False) -
     plan = plan_forward(cu, num_v_heads, 128, sm_count, MAX_VALUE_BLOCK)
     index = plan.chunk_index
     gamma = chunk_local_cumsum(g[None], cu, chunk_index=index).view(num_tokens, num_v_heads)
-    inverse = grouped_inverse(k, beta, cu, index)
+    inverse = chunk_inverses(k, beta, cu, index)
 
     def walk(**stores):
         return walk_chunks(q, k, v, gamma, beta, inverse, 128 ** -0.5, h0, cu, plan, **stores)
@@ -194,7 +193,7 @@ def forward_breakdown(inputs: dict, rep_ms: int, like_the_model: bool = False) -
         "plan_cached": lambda: plan_forward(cu, num_v_heads, 128, sm_count, MAX_VALUE_BLOCK,
                                             host_bounds=bounds),
         "cumsum": lambda: chunk_local_cumsum(g[None], cu, chunk_index=index),
-        "inverse": lambda: grouped_inverse(k, beta, cu, index),
+        "inverse": lambda: chunk_inverses(k, beta, cu, index),
         "walk_starts": lambda: walk_starts(plan.pieces, cu, gamma, -10.0, plan.max_walk_back,
                                            walk_index=plan.walk_index),
         "walk": walk,  # walk starts included

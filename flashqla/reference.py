@@ -113,7 +113,6 @@ def chunk_gated_delta_rule_torch(
     """The chunked form of docs/gdn-math.md §2, chunk C = 64, in float32 (float64 for float64 input)."""
     B, T, _, K = q.shape
     Hv, V = v.shape[2], v.shape[3]
-    C = CHUNK_SIZE
     scale = K ** -0.5 if scale is None else scale
     dtype = compute_dtype(q.dtype)
     if use_qk_l2norm_in_kernel:
@@ -121,35 +120,19 @@ def chunk_gated_delta_rule_torch(
 
     spans = _sequences(cu_seqlens, B, T)
     N = len(spans)
-    longest = max((end - start for _, start, end in spans), default=0)
-    num_chunks = max(1, -(-longest // C))
+    num_chunks = _chunk_count(spans)
 
     def chunked(x: torch.Tensor) -> torch.Tensor:
-        # [B, T, H, ...] -> [N, H, num_chunks, C, ...]
-        x = _pad_to_chunks(x.to(dtype), spans, num_chunks)
-        x = x.view(N, num_chunks, C, *x.shape[2:])
-        return x.movedim(3, 1)
+        return _chunked(x.to(dtype), spans, num_chunks)
 
     q_c, k_c = chunked(_expand_groups(q, Hv)), chunked(_expand_groups(k, Hv))
     v_c, g_c, beta_c = chunked(v), chunked(g), chunked(beta)
 
-    # Everything that does not depend on the state, for all chunks at once.
-    gamma = g_c.cumsum(-1)  # [N, H, n, C], non-increasing within a chunk
-    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    strict = causal.tril(-1)
-    # Gm[t, s] = exp(gamma_t - gamma_s) for s <= t; the masked exponent is -inf, never positive.
-    decay_diff = (gamma[..., :, None] - gamma[..., None, :]).masked_fill(~causal, float("-inf"))
-    gm = decay_diff.exp()
-    kkt = k_c @ k_c.transpose(-1, -2)
-    lower = (beta_c[..., :, None] * kkt).masked_fill(~strict, 0)
-    eye = torch.eye(C, dtype=dtype, device=q.device)
-    a_tilde = torch.linalg.solve_triangular(eye + lower, eye.expand_as(lower), upper=False, unitriangular=True)
-    a_b = gm * a_tilde * beta_c[..., None, :]  # Ab = (Gm . A~) diag(beta)
+    gamma, a_tilde, a_b, intra = _chunk_matrices(q_c, k_c, g_c, beta_c)
     d = gamma.exp()[..., None]  # D as a column
     e = (gamma[..., -1:] - gamma).exp()[..., None]  # E as a column
     u = a_b @ v_c  # Delta = u - w S0
     w = a_b @ (d * k_c)
-    intra = gm * (q_c @ k_c.transpose(-1, -2)).masked_fill(~causal, 0)
     q_decayed = d * q_c
     k_tail = (e * k_c).transpose(-1, -2)  # [.., K, C]
     chunk_decay = gamma[..., -1].exp()[..., None, None]  # e^{gamma_C}
@@ -164,9 +147,64 @@ def chunk_gated_delta_rule_torch(
         outs.append(scale * (q_decayed[:, :, n] @ state + intra[:, :, n] @ delta))
         state = chunk_decay[:, :, n] * state + k_tail[:, :, n] @ delta
 
-    o_padded = torch.stack(outs, dim=2).movedim(1, 3).reshape(N, num_chunks * C, Hv, V)
-    if cu_seqlens is None:
-        o = o_padded[:, :T]
-    else:
-        o = torch.cat([o_padded[i, : end - start] for i, (_, start, end) in enumerate(spans)])[None]
+    o = _unchunked(torch.stack(outs, dim=2), spans, T, cu_seqlens is not None)
     return o.to(v.dtype), (state if output_final_state else None)
+
+
+def chunk_products(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float | None = None,
+                   cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(A~, Ab, P) of docs/gdn-math.md §2.3, the state-independent C x C matrices of every chunk,
+    token-major like the kernels store them: [B, T, Hv, C], row t of its chunk's matrix (P with scale).
+    Computed as chunk_gated_delta_rule_torch computes them, in its dtype."""
+    B, T, _, K = q.shape
+    Hv = g.shape[2]
+    scale = K ** -0.5 if scale is None else scale
+    dtype = compute_dtype(q.dtype)
+    spans = _sequences(cu_seqlens, B, T)
+    num_chunks = _chunk_count(spans)
+
+    def chunked(x: torch.Tensor) -> torch.Tensor:
+        return _chunked(x.to(dtype), spans, num_chunks)
+
+    _, a_tilde, a_b, intra = _chunk_matrices(chunked(_expand_groups(q, Hv)), chunked(_expand_groups(k, Hv)),
+                                                chunked(g), chunked(beta))
+    return tuple(_unchunked(x, spans, T, cu_seqlens is not None) for x in (a_tilde, a_b, scale * intra))
+
+
+def _chunk_count(spans: list[tuple[int, int, int]]) -> int:
+    longest = max((end - start for _, start, end in spans), default=0)
+    return max(1, -(-longest // CHUNK_SIZE))
+
+
+def _chunked(x: torch.Tensor, spans: list[tuple[int, int, int]], num_chunks: int) -> torch.Tensor:
+    """[B, T, H, ...] -> [N, H, num_chunks, C, ...], each sequence zero-padded at its end."""
+    x = _pad_to_chunks(x, spans, num_chunks)
+    return x.view(len(spans), num_chunks, CHUNK_SIZE, *x.shape[2:]).movedim(3, 1)
+
+
+def _unchunked(x: torch.Tensor, spans: list[tuple[int, int, int]], seq_len: int, packed: bool) -> torch.Tensor:
+    """[N, H, num_chunks, C, D] -> token-major [B, T, H, D] (packed: [1, total, H, D]), padding dropped."""
+    N, H, num_chunks = x.shape[:3]
+    padded = x.movedim(1, 3).reshape(N, num_chunks * CHUNK_SIZE, H, x.shape[-1])
+    if not packed:
+        return padded[:, :seq_len]
+    return torch.cat([padded[i, : end - start] for i, (_, start, end) in enumerate(spans)])[None]
+
+
+def _chunk_matrices(q_c, k_c, g_c, beta_c):
+    """Everything that does not depend on the state, for all chunks at once ([N, H, n, C, ...] inputs):
+    gamma, A~, Ab and the gated scores Gm * tril(Q K^T) (P without the scale)."""
+    C = CHUNK_SIZE
+    gamma = g_c.cumsum(-1)  # [N, H, n, C], non-increasing within a chunk
+    causal = torch.ones(C, C, dtype=torch.bool, device=q_c.device).tril()
+    strict = causal.tril(-1)
+    # Gm[t, s] = exp(gamma_t - gamma_s) for s <= t; the masked exponent is -inf, never positive.
+    decay_diff = (gamma[..., :, None] - gamma[..., None, :]).masked_fill(~causal, float("-inf"))
+    gm = decay_diff.exp()
+    kkt = k_c @ k_c.transpose(-1, -2)
+    lower = (beta_c[..., :, None] * kkt).masked_fill(~strict, 0)
+    eye = torch.eye(C, dtype=k_c.dtype, device=k_c.device)
+    a_tilde = torch.linalg.solve_triangular(eye + lower, eye.expand_as(lower), upper=False, unitriangular=True)
+    a_b = gm * a_tilde * beta_c[..., None, :]  # Ab = (Gm . A~) diag(beta)
+    intra = gm * (q_c @ k_c.transpose(-1, -2)).masked_fill(~causal, 0)
+    return gamma, a_tilde, a_b, intra

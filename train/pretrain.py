@@ -158,7 +158,8 @@ def preflight(cfg: DictConfig) -> ResumePoint | None:
     """Every error the config and this machine can show before anything is written (run directory,
     dataset build): ConfigError naming the key. Returns where to resume from, if anywhere."""
     validate_config(cfg)
-    check_parallel_layout(cfg, int(os.environ.get("WORLD_SIZE", 1)))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    check_parallel_layout(cfg, world_size)
     check_environment(cfg)
     tokens, data_vocab = _dataset_size(cfg)
     check_model_fits(cfg, model_config(cfg), data_vocab)
@@ -178,7 +179,7 @@ def preflight(cfg: DictConfig) -> ResumePoint | None:
                 message = f"train.resume={cfg.train.resume!r}: {message}"
             raise ConfigError(message) from error
         if resume_point is not None:
-            check_resume_point(resume_point, cfg.parallel.tp, cfg.train.steps, int(os.environ.get("WORLD_SIZE", 1)))
+            check_resume_point(resume_point, cfg.parallel.tp, cfg.train.steps, world_size)
     if cfg.run_dir is not None and cfg.train.resume is None and not cfg.train.overwrite:
         found = [name for name in RUN_MARKERS if (Path(str(cfg.run_dir)) / name).exists()]
         if found:

@@ -73,11 +73,7 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
                         host_bounds=cu_seqlens_host)
     gamma = chunk_local_cumsum(g.reshape(1, num_tokens, num_v_heads), cu_seqlens, chunk_index=plan.chunk_index)
     gamma = gamma.view(num_tokens, num_v_heads)
-    if num_v_heads // num_qk_heads <= MAX_GROUP_SIZE:
-        inverse = grouped_inverse(k_flat, beta_flat, cu_seqlens, plan.chunk_index)
-    else:
-        inverse = gate_free_inverse(k_flat.unsqueeze(0), beta_flat.unsqueeze(0), cu_seqlens,
-                                    chunk_index=plan.chunk_index).view(num_tokens, num_v_heads, -1).to(q.dtype)
+    inverse = chunk_inverses(k_flat, beta_flat, cu_seqlens, plan.chunk_index)
     h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
     o, final_state, chunk_states, gated_inverse, scores = walk_chunks(
         q_flat, k_flat, v_flat, gamma, beta_flat, inverse, scale, h0, cu_seqlens, plan, log_decay_threshold,
@@ -87,6 +83,17 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
     if keep_for_backward:
         return o, final_state, KeptForward(gamma, gated_inverse, scores, inverse, chunk_states)
     return o, final_state
+
+
+def chunk_inverses(k_flat, beta_flat, cu_seqlens, chunk_index):
+    """Step 2: A~ of every chunk and value head, [T, Hv, 64] in k's dtype, by the grouped kernel
+    wherever a qk head's group of value heads fits it, else per value head."""
+    num_tokens, num_qk_heads, _ = k_flat.shape
+    num_v_heads = beta_flat.shape[1]
+    if num_v_heads // num_qk_heads <= MAX_GROUP_SIZE:
+        return grouped_inverse(k_flat, beta_flat, cu_seqlens, chunk_index)
+    inverse = gate_free_inverse(k_flat.unsqueeze(0), beta_flat.unsqueeze(0), cu_seqlens, chunk_index=chunk_index)
+    return inverse.view(num_tokens, num_v_heads, -1).to(k_flat.dtype)
 
 
 def walk_chunks(q_flat, k_flat, v_flat, gamma, beta_flat, inverse, scale, h0, cu_seqlens, plan: ForwardPlan,

@@ -146,8 +146,7 @@ def compile_grouped_inverse(head_dim: int = HEAD_DIM, dtype: str = "bfloat16", b
     return compile_for_hopper(program, fast_math=True)
 
 
-def grouped_inverse(k: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor, chunk_index: torch.Tensor,
-                    min_blocks_per_sm: int = MIN_BLOCKS_PER_SM) -> torch.Tensor:
+def grouped_inverse(k: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor, chunk_index: torch.Tensor) -> torch.Tensor:
     """A~ of every chunk and value head, [T, Hv, 64] in k's dtype: k [T, Hqk, K], beta [T, Hv]
     (Hv / Hqk <= MAX_GROUP_SIZE), cu_seqlens int32 [N + 1], chunk_index from chunk_plan.chunk_indices."""
     num_tokens, num_qk_heads, head_dim = k.shape
@@ -157,6 +156,6 @@ def grouped_inverse(k: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tenso
                          f"got Hv={num_v_heads}, Hqk={num_qk_heads}")
     inverse = torch.empty(num_tokens, num_v_heads, _C, dtype=k.dtype, device=k.device)
     if chunk_index.shape[0] > 0:
-        kernel = compile_grouped_inverse(head_dim, dtype_name(k), dtype_name(beta), min_blocks_per_sm)
+        kernel = compile_grouped_inverse(head_dim, dtype_name(k), dtype_name(beta))
         kernel(k, beta, cu_seqlens, chunk_index, inverse)
     return inverse

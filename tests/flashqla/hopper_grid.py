@@ -82,36 +82,10 @@ def float64_reference(inputs):
 
 
 def float64_products(inputs, scale: float = 128 ** -0.5):
-    """(A~, Ab, P) of every chunk of every sequence in float64, [T, Hv, 64] each (row t of its chunk's
-    matrix; docs/gdn-math.md §2.3), from the op's inputs (q, k [1, T, Hqk, K], g, beta [1, T, Hv],
-    cu_seqlens): what the kernels store in bf16."""
-    q, k, g, beta = (inputs[name][0].double() for name in ("q", "k", "g", "beta"))
-    total, num_v_heads = g.shape
-    head_of = torch.arange(num_v_heads, device=q.device) // (num_v_heads // q.shape[1])
-    outputs = [torch.zeros(total, num_v_heads, 64, dtype=torch.float64, device=q.device) for _ in range(3)]
-    bounds = inputs["cu_seqlens"].tolist()
-    eye = torch.eye(64, dtype=torch.float64, device=q.device)
-    causal = torch.ones(64, 64, dtype=torch.bool, device=q.device).tril()
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        length = end - start
-        if length == 0:
-            continue
-        chunks = -(-length // 64)
-
-        def chunked(x):  # [length, H, ...] -> [chunks, H, 64, ...], zero padded
-            padded = torch.zeros(chunks * 64, *x.shape[1:], dtype=x.dtype, device=x.device)
-            padded[:length] = x[start:end]
-            return padded.view(chunks, 64, *x.shape[1:]).transpose(1, 2)
-
-        qc, kc, bc = chunked(q[:, head_of]), chunked(k[:, head_of]), chunked(beta)
-        gamma = chunked(g).cumsum(-1)
-        lower = torch.tril(bc[..., :, None] * (kc @ kc.transpose(-1, -2)), -1)
-        inverse = torch.linalg.solve_triangular(eye + lower, eye.expand_as(lower), upper=False, unitriangular=True)
-        decay = torch.where(causal, gamma[..., :, None] - gamma[..., None, :], float("-inf")).exp()
-        for out, value in zip(outputs, (inverse, decay * inverse * bc[..., None, :],
-                                        scale * decay * torch.tril(qc @ kc.transpose(-1, -2)))):
-            out[start:end] = value.transpose(1, 2).reshape(chunks * 64, num_v_heads, 64)[:length]
-    return tuple(outputs)
+    """(A~, Ab, P), [T, Hv, 64] each in float64, of the op's inputs (q, k, g, beta, cu_seqlens): the
+    reference's (flashqla.reference.chunk_products), what the kernels store in bf16."""
+    args = [inputs[name].double() for name in ("q", "k", "g", "beta")]
+    return tuple(x[0] for x in reference.chunk_products(*args, scale, cu_seqlens=inputs["cu_seqlens"]))
 
 
 # (bytes, count) of the NaN blocks poison_allocator leaves free. The caching allocator serves requests
