@@ -168,8 +168,9 @@ def forward_breakdown(inputs: dict, rep_ms: int, like_the_model: bool = False) -
 
     from flashqla.hopper.chunk_plan import build_forward_plan, plan_forward, walk_starts
     from flashqla.hopper.cumsum import chunk_local_cumsum
-    from flashqla.hopper.forward import chunk_inverses, walk_chunks
+    from flashqla.hopper.forward import walk_chunks
     from flashqla.hopper.fused_forward import MAX_VALUE_BLOCK
+    from flashqla.hopper.inverse import chunk_inverse
     from flashqla.l2norm import l2_normalize
 
     q, k, v, g, beta = _breakdown_operands(inputs, like_the_model)
@@ -181,7 +182,7 @@ def forward_breakdown(inputs: dict, rep_ms: int, like_the_model: bool = False) -
     plan = plan_forward(cu, num_v_heads, 128, sm_count, MAX_VALUE_BLOCK)
     index = plan.chunk_index
     gamma = chunk_local_cumsum(g[None], cu, chunk_index=index).view(num_tokens, num_v_heads)
-    inverse = chunk_inverses(k, beta, cu, index)
+    inverse = chunk_inverse(k, beta, cu, index)
 
     def walk(**stores):
         return walk_chunks(q, k, v, gamma, beta, inverse, 128 ** -0.5, h0, cu, plan, **stores)
@@ -193,7 +194,7 @@ def forward_breakdown(inputs: dict, rep_ms: int, like_the_model: bool = False) -
         "plan_cached": lambda: plan_forward(cu, num_v_heads, 128, sm_count, MAX_VALUE_BLOCK,
                                             host_bounds=bounds),
         "cumsum": lambda: chunk_local_cumsum(g[None], cu, chunk_index=index),
-        "inverse": lambda: chunk_inverses(k, beta, cu, index),
+        "inverse": lambda: chunk_inverse(k, beta, cu, index),
         "walk_starts": lambda: walk_starts(plan.pieces, cu, gamma, -10.0, plan.max_walk_back,
                                            walk_index=plan.walk_index),
         "walk": walk,  # walk starts included
@@ -364,7 +365,34 @@ def compare_conv(rep_ms: int):
                {name: _median_ms(lambda: step(run), rep_ms, grad_to_none=[x, weight]) for name, run in variants.items()})
 
 
-COMPARISONS = {"keep_forward": compare_keep_forward, "conv": compare_conv}
+# The chunks' gate-free inverse at the bench's large shapes and the models' (the stage FlashQLA also runs alone).
+INVERSE_SHAPES = [("16/64 1x32768", (16, 64), [32768]), ("16/64 8192x4", (16, 64), [8192] * 4),
+                  ("2/8 1x32768", (2, 8), [32768]), ("2/8 1x131072", (2, 8), [131072]),
+                  ("16/16 1x131072", (16, 16), [131072]), ("8/8 1x131072", (8, 8), [131072])]
+
+
+def compare_inverse(rep_ms: int):
+    """A~ of every chunk (flashqla/hopper/inverse.py) against FlashQLA's kkt_solve, which makes the same
+    [T, Hv, 64] tensor, on the bench inputs (normalised k, fp32 beta); FlashQLA's only where it is installed."""
+    from flashqla.hopper.chunk_plan import chunk_indices
+    from flashqla.hopper.inverse import chunk_inverse
+
+    try:
+        from flash_qla.ops.gated_delta_rule.chunk.hopper.kkt_solve import kkt_solve
+    except ImportError:
+        kkt_solve = None
+    for name, heads, seq_lens in INVERSE_SHAPES:
+        x = make_inputs(heads, seq_lens)
+        k, beta, cu = x["k"][0], x["beta"][0], x["cu_seqlens"]
+        index = chunk_indices(cu)
+        times = {"ours": _median_ms(lambda: chunk_inverse(k, beta, cu, index), rep_ms)}
+        if kkt_solve is not None:
+            times["flashqla kkt_solve"] = _median_ms(lambda: kkt_solve(x["k"], x["beta"], cu_seqlens=x["cu_seqlens_long"]),
+                                                     rep_ms)
+        yield name, times
+
+
+COMPARISONS = {"keep_forward": compare_keep_forward, "conv": compare_conv, "inverse": compare_inverse}
 
 
 def run_comparisons(names: list[str], rep_ms: int, json_path: str | None) -> None:

@@ -138,7 +138,7 @@ run_part() {
     ncu)
         # Nsight Compute on our four main kernels, one launch each (first forward + backward of NCU_SHAPE):
         # where their time goes (issue stalls, occupancy, memory). Needs the Firecracker machines.
-        step ncu 150 60 ncu --clock-control none -k 'regex:grouped_inverse|fused_forward|state_grads|chunk_grads' -c 4 \
+        step ncu 150 60 ncu --clock-control none -k 'regex:chunk_inverse|fused_forward|state_grads|chunk_grads' -c 4 \
             --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
             --section SchedulerStats --section MemoryWorkloadAnalysis \
             "$PYTHON" -c 'import sys, torch; from flashqla.bench import make_inputs, implementations, first_call_s

@@ -154,18 +154,18 @@ def compile_ours(shapes, like_the_model: bool = False, with_initial_state: bool 
 
 
 def compile_walks() -> None:
-    """The forward walk (flashqla/hopper/fused_forward.py) and the grouped inverse in every
+    """The forward walk (flashqla/hopper/fused_forward.py) and the inverse (inverse.py) in every
     specialisation the tests and the training runs reach (head counts and lengths are run-time
     arguments of both): V blocks, dtypes, and what the walk stores."""
     from flashqla.hopper.fused_forward import compile_fused_forward
-    from flashqla.hopper.grouped_inverse import compile_grouped_inverse
+    from flashqla.hopper.inverse import compile_inverse
 
     started = time.time()
     # (states, products) stored: none (no autograd), everything, all but the states, and the states
     # alone (the backward's walk for keep_for_backward="products")
     keeps = ((False, False), (True, True), (False, True), (True, False))
     for dtype, beta_dtype in (("bfloat16", "float32"), ("bfloat16", "bfloat16"), ("float16", "float32")):
-        compile_grouped_inverse(128, dtype, beta_dtype)
+        compile_inverse(128, dtype, beta_dtype)
         for value_block in (32, 64, 128):
             for states, products in keeps:
                 compile_fused_forward(value_block, dtype, beta_dtype, 128, states, products)

@@ -9,8 +9,7 @@ The math they implement is docs/gdn-math.md. Entries (called with checked inputs
 One file per kernel, in pipeline order:
 
 - cumsum.py: chunk-local cumsum of g (gamma);
-- grouped_inverse.py: the gate-free inverse A~ of every chunk, one CTA per qk head's group of value heads;
-- inverse.py: the same per value head (groups of more than 8 value heads);
+- inverse.py: the gate-free inverse A~ of every chunk and value head;
 - fused_forward.py: the forward's sequential walk, which builds Ab and P on chip from A~: o, the final
   state and, for the backward, the chunk states, Ab and P;
 - chunk_states.py: the state-only walk (chunk states and K x K transitions; the tests' independent check of

@@ -323,7 +323,9 @@ def _chunks_short_of_threshold(gamma: torch.Tensor, last_token: torch.Tensor, ou
     last token of each chunk, nearest the piece first) it takes in turn while their summed decay is
     still above the threshold. Chunks marked `outside` ([P, n, 1], past the sequence) add nothing."""
     decay = gamma[last_token].masked_fill(outside, 0.0)                                  # [P, n, H]
-    return (decay.double().cumsum(dim=1) > log_decay_threshold).sum(dim=1)
+    # Scanned along the contiguous last dim: torch's scan over a middle dim took 0.35 ms at 131072 tokens.
+    running = decay.transpose(1, 2).contiguous().double().cumsum(dim=-1)                 # [P, H, n]
+    return (running > log_decay_threshold).sum(dim=-1)
 
 
 def _walk_grid(piece_start: torch.Tensor, seq_start: torch.Tensor, max_walk_back: int, chunk_size: int):

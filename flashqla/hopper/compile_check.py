@@ -16,13 +16,11 @@ from flashqla.hopper.causal_conv import compile_conv_backward, compile_conv_forw
 from flashqla.hopper.chunk_states import compile_chunk_states
 from flashqla.hopper.cumsum import compile_cumsum
 from flashqla.hopper.fused_forward import compile_fused_forward
-from flashqla.hopper.grouped_inverse import compile_grouped_inverse
 from flashqla.hopper.inverse import compile_inverse
 
 COMPILE_CHECKS = [
     ("chunk_local_cumsum", lambda: compile_cumsum()),
-    ("gate_free_inverse", lambda: compile_inverse()),
-    ("grouped_inverse", lambda: compile_grouped_inverse()),
+    ("chunk_inverse", lambda: compile_inverse()),
     ("fused_forward", lambda: compile_fused_forward(64)),
     ("fused_forward_keeping_all", lambda: compile_fused_forward(128, store_chunk_states=True, store_products=True)),
     ("chunk_states", lambda: compile_chunk_states(64, with_transition=True)),

@@ -1,8 +1,7 @@
 """The forward's entry: o and the final state from the kernels, in the order they run.
 
 1. `cumsum.py`: gamma, the chunk-local cumsum of g.
-2. `grouped_inverse.py`: the gate-free inverse A~ of every chunk, in parallel (`inverse.py`, per
-   value head, where Hv / Hqk > 8).
+2. `inverse.py`: the gate-free inverse A~ of every chunk and value head, in parallel.
 3. `chunk_plan.py`: the pieces each CTA walks (cached per cu_seqlens) and, for pieces that do not
    start their sequence, where each head's warm-up starts (docs/gdn-math.md §4).
 4. `fused_forward.py`: the sequential walk over the chunks, building Ab and P on chip: o, the final
@@ -16,8 +15,7 @@ from flashqla.hopper.chunk_plan import ForwardPlan, device_sm_count, flat_cu_seq
 from flashqla.hopper.common import DEFAULT_LOG_DECAY_THRESHOLD, unsupported_inputs
 from flashqla.hopper.cumsum import chunk_local_cumsum
 from flashqla.hopper.fused_forward import MAX_VALUE_BLOCK, fused_forward
-from flashqla.hopper.grouped_inverse import MAX_GROUP_SIZE, grouped_inverse
-from flashqla.hopper.inverse import gate_free_inverse
+from flashqla.hopper.inverse import chunk_inverse
 
 
 class KeptForward(NamedTuple):
@@ -73,7 +71,7 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
                         host_bounds=cu_seqlens_host)
     gamma = chunk_local_cumsum(g.reshape(1, num_tokens, num_v_heads), cu_seqlens, chunk_index=plan.chunk_index)
     gamma = gamma.view(num_tokens, num_v_heads)
-    inverse = chunk_inverses(k_flat, beta_flat, cu_seqlens, plan.chunk_index)
+    inverse = chunk_inverse(k_flat, beta_flat, cu_seqlens, plan.chunk_index)
     h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
     o, final_state, chunk_states, gated_inverse, scores = walk_chunks(
         q_flat, k_flat, v_flat, gamma, beta_flat, inverse, scale, h0, cu_seqlens, plan, log_decay_threshold,
@@ -83,17 +81,6 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
     if keep_for_backward:
         return o, final_state, KeptForward(gamma, gated_inverse, scores, inverse, chunk_states)
     return o, final_state
-
-
-def chunk_inverses(k_flat, beta_flat, cu_seqlens, chunk_index):
-    """Step 2: A~ of every chunk and value head, [T, Hv, 64] in k's dtype, by the grouped kernel
-    wherever a qk head's group of value heads fits it, else per value head."""
-    num_tokens, num_qk_heads, _ = k_flat.shape
-    num_v_heads = beta_flat.shape[1]
-    if num_v_heads // num_qk_heads <= MAX_GROUP_SIZE:
-        return grouped_inverse(k_flat, beta_flat, cu_seqlens, chunk_index)
-    inverse = gate_free_inverse(k_flat.unsqueeze(0), beta_flat.unsqueeze(0), cu_seqlens, chunk_index=chunk_index)
-    return inverse.view(num_tokens, num_v_heads, -1).to(k_flat.dtype)
 
 
 def walk_chunks(q_flat, k_flat, v_flat, gamma, beta_flat, inverse, scale, h0, cu_seqlens, plan: ForwardPlan,

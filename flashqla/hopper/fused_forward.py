@@ -7,7 +7,7 @@ One CTA per (piece, value head, V block) walks 64-token chunks in order with the
     U = K S0;  W = V - D U;  Delta = Ab W;  O = scale D Q S0 + P Delta;  S1 = e^{gamma_C} S0 + K^T (E Delta)
 
 Ab = Gm * A~ * beta_col and P = scale Gm * tril(Q K^T) are made inside the walk from the gate-free
-inverse A~ (grouped_inverse.py / inverse.py), so only one [T, Hv, 64] tensor is read besides the
+inverse A~ (inverse.py), so only one [T, Hv, 64] tensor is read besides the
 inputs. The work of a chunk is spread over three math warpgroups and a producer warpgroup (512
 threads, one CTA per SM):
 

@@ -103,7 +103,7 @@ def kernel_inputs(seq_lens, num_qk_heads, num_v_heads, seed=0):
     state gradients random: the runs compared see the same ones)."""
     from flashqla.hopper.chunk_plan import chunk_indices
     from flashqla.hopper.cumsum import chunk_local_cumsum
-    from flashqla.hopper.inverse import gate_free_inverse
+    from flashqla.hopper.inverse import chunk_inverse
 
     inputs, do, _ = make_backward_inputs(seq_lens, num_qk_heads, num_v_heads, False, seed=seed)
     total = sum(seq_lens)
@@ -114,7 +114,7 @@ def kernel_inputs(seq_lens, num_qk_heads, num_v_heads, seed=0):
     g = inputs["g"].view(total, num_v_heads)
     beta = inputs["beta"].view(total, num_v_heads).contiguous()
     gamma = chunk_local_cumsum(g.unsqueeze(0), cu_seqlens, chunk_index=chunk_index).view(total, num_v_heads)
-    inverse = gate_free_inverse(k.unsqueeze(0), beta.unsqueeze(0), cu_seqlens, chunk_index=chunk_index)
+    inverse = chunk_inverse(k, beta, cu_seqlens, chunk_index)
     gen = torch.Generator(device="cuda").manual_seed(seed + 1)
     states = torch.randn(chunk_index.shape[0], num_v_heads, 128, 128, generator=gen, device="cuda")
     state_grads = torch.randn(chunk_index.shape[0], num_v_heads, 128, 128, generator=gen, device="cuda")
