@@ -136,6 +136,11 @@ def chunk_grads_program():
             gamma_next = T.alloc_var(f32)  # this thread's gamma / beta entry of the next task
             beta_next = T.alloc_var(f32)
             dg_sum = T.alloc_var(f32)  # this thread's row of dg
+            # A task's indices, held in variables: an expression is inlined into every index that uses
+            # it, there as 64-bit divisions by num_v_heads (57 of them in the generated code before).
+            chunk_id, head, start, length = (T.alloc_var("int32") for _ in range(4))
+            next_chunk, next_head, next_start, next_length = (T.alloc_var("int32") for _ in range(4))
+            first_chunk, first_head, first_start, first_length = (T.alloc_var("int32") for _ in range(4))
 
             # Task 0 of this worker: issue both load groups and read its gamma / beta.
             first_chunk = worker // num_v_heads

@@ -49,13 +49,14 @@ def inverse_program(head_dim: int = HEAD_DIM, dtype: str = "bfloat16", beta_dtyp
         inverse: T.Tensor((num_tokens, num_v_heads, _C), dtype),
     ):
         # Value heads of one chunk are neighbours in the grid: a qk head's group reads its k tile from L2.
-        with T.Kernel(num_chunks * num_v_heads, threads=_THREADS) as block:
-            chunk = block // num_v_heads
-            head = block % num_v_heads
+        with T.Kernel(num_v_heads, num_chunks, threads=_THREADS) as (head, chunk):
+            # Held in variables: an expression is inlined into every index, as 64-bit divisions there.
+            qk_head = T.alloc_var("int32")
+            start = T.alloc_var("int32")
+            length = T.alloc_var("int32")
             qk_head = head // (num_v_heads // num_qk_heads)
-            sequence = chunk_index[chunk, 0]
-            start = cu_seqlens[sequence] + chunk_index[chunk, 1] * _C
-            length = T.min(cu_seqlens[sequence + 1] - start, _C)
+            start = cu_seqlens[chunk_index[chunk, 0]] + chunk_index[chunk, 1] * _C
+            length = T.min(cu_seqlens[chunk_index[chunk, 0] + 1] - start, _C)
             thread = T.get_thread_binding()
 
             T.annotate_min_blocks_per_sm(min_blocks_per_sm)
