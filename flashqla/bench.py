@@ -392,7 +392,37 @@ def compare_inverse(rep_ms: int):
         yield name, times
 
 
-COMPARISONS = {"keep_forward": compare_keep_forward, "conv": compare_conv, "inverse": compare_inverse}
+
+def compare_walk_bounds(rep_ms: int):
+    """The pieces' warm-up bounds, the forward's starts and the backward's ends together: the torch ops
+    of chunk_plan (what the forward and backward run) against the walk-bounds kernel (a candidate,
+    flashqla/hopper/walk_bounds.py). Raises where the two differ."""
+    from flashqla.hopper.chunk_plan import plan_forward, walk_ends, walk_starts
+    from flashqla.hopper.cumsum import chunk_local_cumsum
+    from flashqla.hopper.walk_bounds import walk_bounds
+
+    sm_count = torch.cuda.get_device_properties().multi_processor_count
+    for name, heads, seq_lens in (("16/64 1x32768", (16, 64), [32768]), ("2/8 1x131072", (2, 8), [131072]),
+                                  ("16/16 1x131072", (16, 16), [131072])):
+        x = make_inputs(heads, seq_lens)
+        cu = x["cu_seqlens"]
+        plan = plan_forward(cu, heads[1], 128, sm_count, 128)
+        gamma = chunk_local_cumsum(x["g"], cu).view(-1, heads[1])
+
+        def torch_ops():
+            return (walk_starts(plan.pieces, cu, gamma, -10.0, plan.max_walk_back, walk_index=plan.walk_index),
+                    walk_ends(gamma, plan.walk_ahead_index))
+
+        def kernel():
+            return walk_bounds(gamma, plan.pieces, cu, ahead=False), walk_bounds(gamma, plan.pieces, cu, ahead=True)
+
+        if not all(torch.equal(a, b) for a, b in zip(torch_ops(), kernel())):
+            raise AssertionError(f"walk bounds {name}: the kernel differs from the torch ops")
+        yield name, {"torch ops": _median_ms(torch_ops, rep_ms), "kernel": _median_ms(kernel, rep_ms)}
+
+
+COMPARISONS = {"keep_forward": compare_keep_forward, "conv": compare_conv, "inverse": compare_inverse,
+               "walk_bounds": compare_walk_bounds}
 
 
 def run_comparisons(names: list[str], rep_ms: int, json_path: str | None) -> None:

@@ -17,6 +17,9 @@ One file per kernel, in pipeline order:
 - backward_state_grads.py: the backward's sequential walk: the state gradients;
 - backward_chunk_grads.py: dq, dk, dv, dg, dbeta of every chunk in parallel.
 
+A candidate not yet run on a GPU, reached only through the bench and its tests: walk_bounds.py, the
+pieces' warm-up bounds in one kernel (chunk_plan.walk_starts / walk_ends run them as torch ops).
+
 Beside the op: causal_conv.py, the GDN layer's short causal conv + SiLU (flashqla/conv.py's kernel).
 
 Shared: common.py (target, head dim, chunk size, constants), chunk_plan.py (host-side planning:

@@ -17,6 +17,7 @@ from flashqla.hopper.chunk_states import compile_chunk_states
 from flashqla.hopper.cumsum import compile_cumsum
 from flashqla.hopper.fused_forward import compile_fused_forward
 from flashqla.hopper.inverse import compile_inverse
+from flashqla.hopper.walk_bounds import compile_walk_bounds
 
 COMPILE_CHECKS = [
     ("chunk_local_cumsum", lambda: compile_cumsum()),
@@ -29,6 +30,8 @@ COMPILE_CHECKS = [
     ("backward_chunk_grads", compile_chunk_grads),
     ("causal_conv_forward", lambda: compile_conv_forward("bfloat16")),
     ("causal_conv_backward", lambda: compile_conv_backward("bfloat16")),
+    ("walk_starts", lambda: compile_walk_bounds(False)),
+    ("walk_ends", lambda: compile_walk_bounds(True)),
 ]
 
 
