@@ -4,7 +4,9 @@ forward and forward + backward, side by side in one process:
     python -m benchmarks.attention_backends [--size 0.8B] [--tokens 8192,32768,131072] [--docs 1,8]
 
 Backends: SDPA's cuDNN, FlashAttention and memory-efficient kernels for one document; for packed
-documents cuDNN's SDPA once per document against `varlen_attn` (FlashAttention over the pack).
+documents cuDNN's SDPA once per document against `varlen_attn` (FlashAttention over the pack); and
+FlexAttention (torch.compile'd, a causal or causal-per-document block mask built once per shape,
+outside the timing) for both.
 (cuDNN's ragged op, `aten._cudnn_attention_forward` with offsets, measured exact but 10-100x slower
 and failing at 131072 tokens on the H200: docs/performance.md, 2026-12-01 fifth session.) Prints per shape each backend's milliseconds and its ratio to cuDNN, and each
 output's largest difference from cuDNN's. Appends JSON lines to $OUT/attention.jsonl when OUT is set.
@@ -49,6 +51,33 @@ def _varlen(q, k, v, documents):
     return _varlen_causal(q[0], k[0], v[0], cu, documents.max_seqlen, q.shape[-1] ** -0.5).unsqueeze(0)
 
 
+def _flex():
+    """FlexAttention with a block mask per (length, documents), cached so that only the kernel is timed."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    compiled = torch.compile(flex_attention, dynamic=False)
+    masks = {}
+
+    def run(q, k, v, documents):
+        tokens = q.shape[1]
+        key = (tokens, None if documents is None else tuple(documents.cu_seqlens_cpu.tolist()))
+        if key not in masks:
+            if documents is None:
+                def mask(b, h, q_idx, kv_idx):
+                    return q_idx >= kv_idx
+            else:
+                doc = torch.searchsorted(documents.cu_seqlens[1:].long(), torch.arange(tokens, device=q.device),
+                                         right=True)
+
+                def mask(b, h, q_idx, kv_idx):
+                    return (q_idx >= kv_idx) & (doc[q_idx] == doc[kv_idx])
+            masks[key] = create_block_mask(mask, None, None, tokens, tokens, device=q.device)
+        out = compiled(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=masks[key],
+                       enable_gqa=True)
+        return out.transpose(1, 2)
+    return run
+
+
 def _time(fn, backward: bool) -> float:
     import triton.testing
 
@@ -70,6 +99,7 @@ def main(argv=None) -> None:
     config = QwenHybridConfig.named(args.size)
     heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     out_path = os.path.join(os.environ["OUT"], "attention.jsonl") if os.environ.get("OUT") else None
+    flex = _flex()
     for tokens in [int(t) for t in args.tokens.split(",")]:
         for docs in [int(d) for d in args.docs.split(",")]:
             gen = torch.Generator(device="cuda").manual_seed(0)
@@ -79,11 +109,13 @@ def main(argv=None) -> None:
             documents = None
             if docs == 1:
                 candidates = {name: _sdpa(name) for name in SDPA_BACKENDS}
+                candidates["flex"] = flex
             else:
                 documents = DocumentLayout.build(torch.linspace(0, tokens, docs + 1).long(), "cuda")
                 candidates = {"cudnn_per_document": _cudnn_per_document}
                 if _varlen_attn is not None:
                     candidates["varlen"] = _varlen
+                candidates["flex"] = flex
             results, reference = {}, None
             for name, run in candidates.items():
                 leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
