@@ -61,8 +61,7 @@ def assert_matches_float64(inputs, o, final_state):
 
 
 def test_forward_other_dtypes_and_groups():
-    """float16 q/k/v; bf16 beta (the model's); a group of 16 value heads per qk head (A~ from the
-    per-value-head inverse kernel)."""
+    """float16 q/k/v; bf16 beta (the model's); a group of 16 value heads per qk head."""
     inputs = make_inputs([777, 1536], 4, 16, with_initial_state=True, dtype=torch.float16, seed=3)
     o, final_state = run_forward(inputs)
     assert o.dtype == torch.float16

@@ -5,7 +5,7 @@ the forward again).
 
 Checked: the kept tensors agree with float64 (A~, Ab, P) and with the state-only walk of chunk_states.py,
 and the gradients stay within the float64 tolerance on the grid (ragged, split sequences, strong decay,
-a head group too large for the grouped inverse kernel, float16, the public op under both kinds of
+a group of 16 value heads per qk head, float16, the public op under both kinds of
 checkpointing).
 How much faster it is: `python -m flashqla.bench --compare keep_forward`.
 """
@@ -38,8 +38,7 @@ def forward_then_backward(inputs, do, dht, keep_chunk_states: bool = True):
                          ids=["1x4096", "ragged", "1x32768", "28672+4096"])
 @pytest.mark.parametrize("heads", [(16, 64), (16, 16), (2, 8), (1, 16)], ids=["16_64", "16_16", "2_8", "1_16"])
 def test_kept_forward_gradients_match_float64(heads, lengths):
-    """2/8 splits its sequences into pieces (truncated warm-ups); 1/16's group of 16 takes A~ from
-    the per-value-head inverse kernel."""
+    """2/8 splits its sequences into pieces (truncated warm-ups); 1/16 is a group of 16 value heads."""
     inputs, do, dht = make_backward_inputs(lengths, *heads, True, strong_decay=True)
     kept = forward_then_backward(inputs, do, dht)
     for name, grad in zip(GRAD_NAMES, kept):
