@@ -3,7 +3,7 @@ and side-by-side timings of kernel variants (--compare).
 
     python -m flashqla.bench [--fwd] [--bwd] [--json PATH] [--shapes SUBSTR,...] [--baselines fla,flashqla]
                              [--time-budget SECONDS] [--breakdown] [--model]
-    python -m flashqla.bench --compare [keep_forward,conv] [--json PATH]
+    python -m flashqla.bench --compare [keep_forward,conv,inverse,walk_bounds] [--json PATH]
 
 Each library is called the way its users call it: ours through `flashqla.chunk_gated_delta_rule`
 (backend="tilelang", input checks included), FLA through its `chunk_gated_delta_rule` beneath
@@ -34,7 +34,9 @@ FLA_CACHE_RESULTS=0) and the timed run then autotunes alone with every kernel al
 --compare times what decides between kernel variants, each pair on the same inputs, and prints the
 ratios (timings live here, not in the GPU tests, so a busy machine cannot fail a correctness test):
 - keep_forward: forward + backward through the public op, keep_for_backward=False, "products" and True;
-- conv: the GDN layer's conv + SiLU, the TileLang kernel against torch.compile of its definition.
+- conv: the GDN layer's conv + SiLU, the TileLang kernel against torch.compile of its definition;
+- inverse: the chunks' inverse A~ against FlashQLA's kkt_solve;
+- walk_bounds: the pieces' warm-up bounds as torch ops against the candidate kernel (walk_bounds.py).
 """
 from __future__ import annotations
 
@@ -392,13 +394,13 @@ def compare_inverse(rep_ms: int):
         yield name, times
 
 
-
 def compare_walk_bounds(rep_ms: int):
     """The pieces' warm-up bounds, the forward's starts and the backward's ends together: the torch ops
     of chunk_plan (what the forward and backward run) against the walk-bounds kernel (a candidate,
     flashqla/hopper/walk_bounds.py). Raises where the two differ."""
     from flashqla.hopper.chunk_plan import plan_forward, walk_ends, walk_starts
     from flashqla.hopper.cumsum import chunk_local_cumsum
+    from flashqla.hopper.fused_forward import MAX_VALUE_BLOCK
     from flashqla.hopper.walk_bounds import walk_bounds
 
     sm_count = torch.cuda.get_device_properties().multi_processor_count
@@ -406,7 +408,7 @@ def compare_walk_bounds(rep_ms: int):
                                   ("16/16 1x131072", (16, 16), [131072])):
         x = make_inputs(heads, seq_lens)
         cu = x["cu_seqlens"]
-        plan = plan_forward(cu, heads[1], 128, sm_count, 128)
+        plan = plan_forward(cu, heads[1], 128, sm_count, MAX_VALUE_BLOCK)
         gamma = chunk_local_cumsum(x["g"], cu).view(-1, heads[1])
 
         def torch_ops():

@@ -35,11 +35,13 @@ def chunk_local_gamma(cu_seqlens: torch.Tensor, num_heads: int, seed: int) -> to
 @pytest.mark.parametrize("name", list(PLANS))
 def test_walk_bounds_equal_the_torch_ops(name, threshold):
     from flashqla.hopper.chunk_plan import plan_forward, walk_ends, walk_starts
+    from flashqla.hopper.fused_forward import MAX_VALUE_BLOCK
     from flashqla.hopper.walk_bounds import walk_bounds
 
     num_heads, lengths = PLANS[name]
     cu_seqlens = torch.tensor([0, *lengths], device="cuda").cumsum(0).to(torch.int32)
-    plan = plan_forward(cu_seqlens, num_heads, 128, torch.cuda.get_device_properties().multi_processor_count, 128)
+    plan = plan_forward(cu_seqlens, num_heads, 128, torch.cuda.get_device_properties().multi_processor_count,
+                        MAX_VALUE_BLOCK)
     assert plan.walk_index is not None, f"{name}: the planner did not cut it"
     gamma = chunk_local_gamma(cu_seqlens, num_heads, seed=len(name))
     starts = walk_starts(plan.pieces, cu_seqlens, gamma, threshold, plan.max_walk_back, walk_index=plan.walk_index)
