@@ -63,7 +63,7 @@ mkdir -p "$TRITON_CACHE_DIR"
 SUMMARY=()
 # Test files of kernels not yet run on a GPU (reachable only through internal arguments); once they
 # pass on the device, their file leaves this list and runs in `tests`.
-UNVERIFIED_TESTS=(tests/flashqla/test_hopper_walk_bounds.py)
+UNVERIFIED_TESTS=(tests/flashqla/test_hopper_walk_bounds.py tests/flashqla/test_hopper_chunk_grads_candidate.py)
 
 left() { echo $((BUDGET_S - (SECONDS - STARTED))); }
 
@@ -138,9 +138,11 @@ run_part() {
     ncu)
         # Nsight Compute on our four main kernels, one launch each (first forward + backward of NCU_SHAPE):
         # where their time goes (issue stalls, occupancy, memory). Needs the Firecracker machines.
-        step ncu 150 60 ncu --clock-control none -k 'regex:chunk_inverse|fused_forward|state_grads|chunk_grads' -c 4 \
-            --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-            --section SchedulerStats --section MemoryWorkloadAnalysis \
+        # NCU_KERNELS (a regex) and NCU_COUNT pick the launches; NCU_EXTRA adds sections (InstructionStats,
+        # SourceCounters: the SASS lines that stall most).
+        step ncu 150 60 ncu --clock-control none -k "regex:${NCU_KERNELS:-chunk_inverse|fused_forward|state_grads|chunk_grads}" \
+            -c "${NCU_COUNT:-4}" --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+            --section SchedulerStats --section MemoryWorkloadAnalysis ${NCU_EXTRA:-} \
             "$PYTHON" -c 'import sys, torch; from flashqla.bench import make_inputs, implementations, first_call_s
 heads, lens = sys.argv[1].split(":"); heads = tuple(map(int, heads.split("/"))); lens = list(map(int, lens.split("+")))
 print(first_call_s(implementations([])["ours"], make_inputs(heads, lens)))' "${NCU_SHAPE:-16/64:8192}"
