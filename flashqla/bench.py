@@ -3,7 +3,7 @@ and side-by-side timings of kernel variants (--compare).
 
     python -m flashqla.bench [--fwd] [--bwd] [--json PATH] [--shapes SUBSTR,...] [--baselines fla,flashqla]
                              [--time-budget SECONDS] [--breakdown] [--model]
-    python -m flashqla.bench --compare [keep_forward,conv,inverse,walk_bounds,chunk_grads] [--json PATH]
+    python -m flashqla.bench --compare [keep_forward,conv,inverse,chunk_grads] [--json PATH]
 
 Each library is called the way its users call it: ours through `flashqla.chunk_gated_delta_rule`
 (backend="tilelang", input checks included), FLA through its `chunk_gated_delta_rule` beneath
@@ -36,7 +36,6 @@ ratios (timings live here, not in the GPU tests, so a busy machine cannot fail a
 - keep_forward: forward + backward through the public op, keep_for_backward=False, "products" and True;
 - conv: the GDN layer's conv + SiLU, the TileLang kernel against torch.compile of its definition;
 - inverse: the chunks' inverse A~ against FlashQLA's kkt_solve;
-- walk_bounds: the pieces' warm-up bounds as torch ops against the candidate kernel (walk_bounds.py);
 - chunk_grads: the chunk-gradient kernel at two warpgroups against the four-warpgroup candidate.
 """
 from __future__ import annotations
@@ -169,11 +168,12 @@ def forward_breakdown(inputs: dict, rep_ms: int, like_the_model: bool = False) -
     one that also stores Ab and P ("products") and the chunk states ("all")."""
     from triton.testing import do_bench
 
-    from flashqla.hopper.chunk_plan import build_forward_plan, plan_forward, walk_starts
+    from flashqla.hopper.chunk_plan import build_forward_plan, plan_forward
     from flashqla.hopper.cumsum import chunk_local_cumsum
     from flashqla.hopper.forward import walk_chunks
     from flashqla.hopper.fused_forward import MAX_VALUE_BLOCK
     from flashqla.hopper.inverse import chunk_inverse
+    from flashqla.hopper.walk_bounds import walk_bounds
     from flashqla.l2norm import l2_normalize
 
     q, k, v, g, beta = _breakdown_operands(inputs, like_the_model)
@@ -198,8 +198,7 @@ def forward_breakdown(inputs: dict, rep_ms: int, like_the_model: bool = False) -
                                             host_bounds=bounds),
         "cumsum": lambda: chunk_local_cumsum(g[None], cu, chunk_index=index),
         "inverse": lambda: chunk_inverse(k, beta, cu, index),
-        "walk_starts": lambda: walk_starts(plan.pieces, cu, gamma, -10.0, plan.max_walk_back,
-                                           walk_index=plan.walk_index),
+        "walk_starts": lambda: walk_bounds(gamma, plan.pieces, cu, ahead=False),
         "walk": walk,  # walk starts included
     }
     if like_the_model:
@@ -221,9 +220,10 @@ def backward_breakdown(inputs: dict, rep_ms: int, like_the_model: bool = False) 
     from flashqla.hopper.backward import MAX_VALUE_BLOCK, state_gradient_walk
     from flashqla.hopper.backward_chunk_grads import chunk_gradients
     from flashqla.hopper.backward_state_grads import state_gradients
-    from flashqla.hopper.chunk_plan import plan_forward, walk_ends
+    from flashqla.hopper.chunk_plan import plan_forward
     from flashqla.hopper.forward import forward, walk_chunks
     from flashqla.hopper.fused_forward import MAX_VALUE_BLOCK as FORWARD_MAX_VALUE_BLOCK
+    from flashqla.hopper.walk_bounds import walk_bounds
 
     q, k, v, g, beta = _breakdown_operands(inputs, like_the_model)
     h0 = inputs["initial_state"]
@@ -239,7 +239,7 @@ def backward_breakdown(inputs: dict, rep_ms: int, like_the_model: bool = False) 
     do = torch.randn_like(v)
     dht = torch.zeros(cu.numel() - 1, num_v_heads, 128, 128, device=v.device)
     offsets, num_chunks = plan.chunk_offsets, plan.chunk_index.shape[0]
-    walk_args = state_gradient_walk(plan, gamma, cu.tolist(), num_v_heads, sm_count)
+    walk_args = state_gradient_walk(plan, gamma, cu, cu.tolist(), num_v_heads, sm_count)
 
     def state_grads():
         return state_gradients(q, k, gamma, kept.gated_inverse, kept.scores, do, dht, 128 ** -0.5, cu, offsets,
@@ -258,8 +258,8 @@ def backward_breakdown(inputs: dict, rep_ms: int, like_the_model: bool = False) 
         "rewalk": lambda: walk_chunks(q, k, v, gamma, beta32, kept.inverse, 128 ** -0.5, h0, cu, forward_plan,
                                       store_chunk_states=True),
     }
-    if plan.walk_ahead_index is not None:
-        stages["walk_ends"] = lambda: walk_ends(gamma, plan.walk_ahead_index)
+    if plan.max_walk_back > 0:
+        stages["walk_ends"] = lambda: walk_bounds(gamma, plan.pieces, cu, ahead=True)
     if num_v_heads > num_qk_heads:
         group = num_v_heads // num_qk_heads
         stages["group_sum"] = lambda: dq_head.view(num_tokens, num_qk_heads, group, 128).sum(2, dtype=torch.bfloat16)
@@ -395,35 +395,6 @@ def compare_inverse(rep_ms: int):
         yield name, times
 
 
-def compare_walk_bounds(rep_ms: int):
-    """The pieces' warm-up bounds, the forward's starts and the backward's ends together: the torch ops
-    of chunk_plan (what the forward and backward run) against the walk-bounds kernel (a candidate,
-    flashqla/hopper/walk_bounds.py). Raises where the two differ."""
-    from flashqla.hopper.chunk_plan import plan_forward, walk_ends, walk_starts
-    from flashqla.hopper.cumsum import chunk_local_cumsum
-    from flashqla.hopper.fused_forward import MAX_VALUE_BLOCK
-    from flashqla.hopper.walk_bounds import walk_bounds
-
-    sm_count = torch.cuda.get_device_properties().multi_processor_count
-    for name, heads, seq_lens in (("16/64 1x32768", (16, 64), [32768]), ("2/8 1x131072", (2, 8), [131072]),
-                                  ("16/16 1x131072", (16, 16), [131072])):
-        x = make_inputs(heads, seq_lens)
-        cu = x["cu_seqlens"]
-        plan = plan_forward(cu, heads[1], 128, sm_count, MAX_VALUE_BLOCK)
-        gamma = chunk_local_cumsum(x["g"], cu).view(-1, heads[1])
-
-        def torch_ops():
-            return (walk_starts(plan.pieces, cu, gamma, -10.0, plan.max_walk_back, walk_index=plan.walk_index),
-                    walk_ends(gamma, plan.walk_ahead_index))
-
-        def kernel():
-            return walk_bounds(gamma, plan.pieces, cu, ahead=False), walk_bounds(gamma, plan.pieces, cu, ahead=True)
-
-        if not all(torch.equal(a, b) for a, b in zip(torch_ops(), kernel())):
-            raise AssertionError(f"walk bounds {name}: the kernel differs from the torch ops")
-        yield name, {"torch ops": _median_ms(torch_ops, rep_ms), "kernel": _median_ms(kernel, rep_ms)}
-
-
 def compare_chunk_grads(rep_ms: int):
     """The chunk-gradient kernel at its verified thread count against the candidate (backward_chunk_grads.py),
     on the kernel's own inputs (random states and state gradients). Raises where dq, dk, dv differ at all
@@ -461,7 +432,7 @@ def compare_chunk_grads(rep_ms: int):
 
 
 COMPARISONS = {"keep_forward": compare_keep_forward, "conv": compare_conv, "inverse": compare_inverse,
-               "walk_bounds": compare_walk_bounds, "chunk_grads": compare_chunk_grads}
+               "chunk_grads": compare_chunk_grads}
 
 
 def run_comparisons(names: list[str], rep_ms: int, json_path: str | None) -> None:

@@ -3,7 +3,7 @@
 # call ends inside the device tool's 10 minutes. Run on the device after the kit's setup:
 #   source .devkit/setup.sh; tools/device_session.sh PART [PART ...]
 # Parts:
-#   tests               every GPU test of the suite but the unverified kernels' (pytest -m gpu; the 2-GPU test skips)
+#   tests               every GPU test of the suite but the unverified kernels' (pytest -m gpu; the 2-GPU test skips; TEST_PATHS narrows it)
 #   unverified          the GPU tests of kernels not yet run on a GPU, which the public op cannot reach
 #   compare             python -m flashqla.bench --compare: kernel variants side by side (kept forward
 #                       tensors, conv; COMPARE=name,... picks), ratios printed, JSON
@@ -63,7 +63,7 @@ mkdir -p "$TRITON_CACHE_DIR"
 SUMMARY=()
 # Test files of kernels not yet run on a GPU (reachable only through internal arguments); once they
 # pass on the device, their file leaves this list and runs in `tests`.
-UNVERIFIED_TESTS=(tests/flashqla/test_hopper_walk_bounds.py tests/flashqla/test_hopper_chunk_grads_candidate.py)
+UNVERIFIED_TESTS=(tests/flashqla/test_hopper_chunk_grads_candidate.py)
 
 left() { echo $((BUDGET_S - (SECONDS - STARTED))); }
 
@@ -109,7 +109,7 @@ run_part() {
     tests)
         step env 30 10 bash -c 'nvidia-smi; '"$PYTHON"' -c "import torch, triton, tilelang; print(torch.__version__, triton.__version__, tilelang.__version__, torch.cuda.get_device_name())"'
         step pytest-gpu 540 120 "$PYTHON" -m pytest -m gpu -q -rfE -p no:cacheprovider --timeout=300 \
-            ${UNVERIFIED_TESTS[@]+"${UNVERIFIED_TESTS[@]/#/--ignore=}"} tests/
+            ${UNVERIFIED_TESTS[@]+"${UNVERIFIED_TESTS[@]/#/--ignore=}"} ${TEST_PATHS:-tests/}
         ;;
     unverified)
         if [ ${#UNVERIFIED_TESTS[@]} -eq 0 ]; then

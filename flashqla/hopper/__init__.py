@@ -10,6 +10,8 @@ One file per kernel, in pipeline order:
 
 - cumsum.py: chunk-local cumsum of g (gamma);
 - inverse.py: the gate-free inverse A~ of every chunk and value head;
+- walk_bounds.py: where each piece of a split sequence starts its warm-up (forward) or ends it
+  (backward), per head;
 - fused_forward.py: the forward's sequential walk, which builds Ab and P on chip from A~: o, the final
   state and, for the backward, the chunk states, Ab and P;
 - chunk_states.py: the state-only walk (chunk states and K x K transitions; the tests' independent check of
@@ -17,12 +19,9 @@ One file per kernel, in pipeline order:
 - backward_state_grads.py: the backward's sequential walk: the state gradients;
 - backward_chunk_grads.py: dq, dk, dv, dg, dbeta of every chunk in parallel.
 
-A candidate not yet run on a GPU, reached only through the bench and its tests: walk_bounds.py, the
-pieces' warm-up bounds in one kernel (chunk_plan.walk_starts / walk_ends run them as torch ops).
-
 Beside the op: causal_conv.py, the GDN layer's short causal conv + SiLU (flashqla/conv.py's kernel).
 
 Shared: common.py (target, head dim, chunk size, constants), chunk_plan.py (host-side planning:
-chunk index, pieces of split sequences, V split, warm-up starts), compile_check.py (every kernel
+chunk index, pieces of split sequences, V split; the torch definition of the warm-up bounds), compile_check.py (every kernel
 built for sm_90a, no GPU needed).
 """

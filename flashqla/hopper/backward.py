@@ -6,7 +6,7 @@
 2. Walk the chunks in reverse for the state gradient leaving every chunk, and dh0
    (backward_state_grads.py; docs/gdn-math.md §3.1): the only sequential part. Sequences the
    forward's plan cut are walked in the same pieces, each from a decay-truncated warm-up after
-   its end (chunk_plan.walk_ends, docs/gdn-math.md §4).
+   its end (walk_bounds.py, docs/gdn-math.md §4).
 3. Every chunk in parallel: dq, dk, dv, dg, dbeta (backward_chunk_grads.py; §3.2-3.3).
 dq and dk come per value head and are summed over each head group in torch, which keeps the
 result deterministic (no atomics).
@@ -16,10 +16,11 @@ import torch
 
 from flashqla.hopper.backward_chunk_grads import chunk_gradients
 from flashqla.hopper.backward_state_grads import state_gradients
-from flashqla.hopper.chunk_plan import device_sm_count, flat_cu_seqlens, plan_forward, value_block_size, walk_ends
+from flashqla.hopper.chunk_plan import device_sm_count, flat_cu_seqlens, plan_forward, value_block_size
 from flashqla.hopper.common import DEFAULT_LOG_DECAY_THRESHOLD, HEAD_DIM, unsupported_inputs
 from flashqla.hopper.forward import KeptForward, forward, walk_chunks
 from flashqla.hopper.fused_forward import MAX_VALUE_BLOCK as FORWARD_MAX_VALUE_BLOCK
+from flashqla.hopper.walk_bounds import walk_bounds
 
 # Widest V block of the state-gradient walk: narrower blocks give more CTAs on the critical path.
 MAX_VALUE_BLOCK = 64
@@ -39,7 +40,7 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seq
     kept: what `forward.forward(..., keep_for_backward=True)` returned for these inputs; when None
     the forward runs again to make it.
     log_decay_threshold: how far the state-gradient walk of a piece may truncate what comes after
-    it (chunk_plan.walk_ends); -inf walks every piece from its sequence end, which gives bitwise
+    it (walk_bounds.py); -inf walks every piece from its sequence end, which gives bitwise
     the gradients of one walk over the whole sequence.
     """
     reason = unsupported_inputs(q, v)
@@ -90,7 +91,7 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seq
     if dht is None:
         dht = torch.zeros(num_sequences, num_v_heads, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=device)
     dht = dht.to(torch.float32).contiguous()
-    walk = state_gradient_walk(plan, gamma, cu_seqlens_host, num_v_heads, sm_count, log_decay_threshold)
+    walk = state_gradient_walk(plan, gamma, cu_seqlens, cu_seqlens_host, num_v_heads, sm_count, log_decay_threshold)
     state_grads, dh0 = state_gradients(q_flat, k_flat, gamma, gated_inverse, scores, do_flat, dht, scale,
                                        cu_seqlens, offsets, chunk_index.shape[0], **walk)
     dq_head, dk_head, dv, dg, dbeta = chunk_gradients(q_flat, k_flat, v_flat, gamma, beta_flat, inverse, states,
@@ -113,13 +114,14 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seq
     )
 
 
-def state_gradient_walk(plan, gamma, cu_seqlens_host: list[int], num_v_heads: int, sm_count: int,
+def state_gradient_walk(plan, gamma, cu_seqlens, cu_seqlens_host: list[int], num_v_heads: int, sm_count: int,
                         log_decay_threshold: float = DEFAULT_LOG_DECAY_THRESHOLD) -> dict:
     """How `state_gradients` walks for this forward plan, as its keyword arguments: in the plan's
-    pieces, each from its decay-truncated warm-up end (chunk_plan.walk_ends), where the forward cut
+    pieces, each from its decay-truncated warm-up end (walk_bounds.py), where the forward cut
     sequences; else one CTA per whole sequence and V block, as wide as the SM count allows."""
-    if plan.walk_ahead_index is not None:
+    if plan.max_walk_back > 0:
         return dict(value_block=plan.value_block, pieces=plan.pieces,
-                    walk_end=walk_ends(gamma, plan.walk_ahead_index, log_decay_threshold))
+                    walk_end=walk_bounds(gamma, plan.pieces, cu_seqlens, ahead=True,
+                                         log_decay_threshold=log_decay_threshold))
     busy_sequences = max(sum(b > a for a, b in zip(cu_seqlens_host, cu_seqlens_host[1:])), 1)
     return dict(value_block=value_block_size(busy_sequences, num_v_heads, HEAD_DIM, sm_count, MAX_VALUE_BLOCK))

@@ -53,6 +53,27 @@ def chunk_grads_program(threads: int = THREADS):
     num_chunks = T.dynamic("num_chunks")
     op = "bfloat16"
     f32 = "float32"
+    parts = threads // _C  # row blocks of a column sum, one thread per (block, column)
+
+    @T.macro
+    def column_partials(tile, partial, tx):
+        """partial[p, s] = the sum of tile[t, s] over the p-th block of rows t: one pass over a float32
+        C x C shared tile the caller has written and synced. TileLang's block reduction of a
+        transposed fragment took 48 barriers per column sum; this takes the caller's two."""
+        column_sum = T.alloc_var(f32)
+        column_sum = 0.0
+        for r in T.unroll(_C // parts):
+            column_sum = column_sum + tile[(tx // _C) * (_C // parts) + r, tx % _C]
+        partial[tx // _C, tx % _C] = column_sum
+
+    @T.macro
+    def sum_partials(partial, s):
+        """Column s's sum from column_partials, block by block in a fixed order (deterministic)."""
+        total = T.alloc_var(f32)
+        total = partial[0, s]
+        for p in T.serial(1, parts):
+            total = total + partial[p, s]
+        return total
 
     @T.prim_func
     def chunk_grads_kernel(
@@ -96,9 +117,11 @@ def chunk_grads_program(threads: int = THREADS):
             delta_s = T.alloc_shared((_C, BV), op)
             d_delta_s = T.alloc_shared((_C, BV), op)
             du_s = T.alloc_shared((_C, BV), op)
-            # Float32 scratch for the transposes behind column sums, in dDelta's bytes: dDelta is
-            # read for the last time (dAb = dDelta W^T) before the first transpose.
+            # Float32 C x C scratch for the column and row sums of C x C products, in dDelta's
+            # bytes: dDelta is read for the last time (dAb = dDelta W^T) before its first use.
             cc_s = T.view(d_delta_s, (_C, _C), f32)
+            col_part_s = T.alloc_shared((parts, _C), f32)
+            row_part_s = T.alloc_shared((parts, _C), f32)
             b_s = T.alloc_shared((_C,), f32)
             gam_s = T.alloc_shared((_C,), f32)
             dec_s = T.alloc_shared((_C,), f32)  # e^{gamma_t}
@@ -122,7 +145,6 @@ def chunk_grads_program(threads: int = THREADS):
             dab = T.alloc_fragment((_C, _C), f32)
             dpr = T.alloc_fragment((_C, _C), f32)
             cc = T.alloc_fragment((_C, _C), f32)
-            cc2 = T.alloc_fragment((_C, _C), f32)
             t1 = T.alloc_fragment((_C, _C), f32)
             dl = T.alloc_fragment((_C, _C), f32)
             kk = T.alloc_fragment((_C, _C), f32)
@@ -130,8 +152,6 @@ def chunk_grads_program(threads: int = THREADS):
             dk = T.alloc_fragment((_C, K), f32)
             ck = T.alloc_fragment((_C, K), f32)
             kv = T.alloc_fragment((K, BV), f32)
-            row = T.alloc_fragment((_C,), f32)  # row sums of C x C fragments
-            col_sum = T.alloc_fragment((_C,), f32)
             row_v = T.alloc_fragment((_C,), f32)  # row sums of C x BV fragments
             row_d = T.alloc_fragment((_C,), f32)  # row sums of C x K fragments
             row_k = T.alloc_fragment((K,), f32)
@@ -279,13 +299,14 @@ def chunk_grads_program(threads: int = THREADS):
                         beta_next = T.if_then_else(tx < next_length,
                                                    beta[next_start + T.min(tx, next_length - 1), next_head], 0.0)
 
+                # dbeta = column sums of dAb . Ag
                 for t, s in T.Parallel(_C, _C):
                     cc_s[t, s] = dab[t, s] * ag[t, s]
-                for t, s in T.Parallel(_C, _C):
-                    cc2[t, s] = cc_s[s, t]
-                T.reduce_sum(cc2, col_sum, dim=1, clear=True)
-                for t in T.Parallel(_C):
-                    dbeta_s[t] = col_sum[t]
+                T.sync_threads()
+                column_partials(cc_s, col_part_s, tx)
+                T.sync_threads()
+                if tx < _C:
+                    dbeta_s[tx] = sum_partials(col_part_s, tx)
                 for t, s in T.Parallel(_C, _C):
                     dab[t, s] = dab[t, s] * b_s[s]
                 for t, s in T.Parallel(_C, _C):
@@ -293,18 +314,21 @@ def chunk_grads_program(threads: int = THREADS):
 
                 # dP = scale dO Delta^T; dGm terms give dgamma (row sums minus column sums)
                 T.gemm(do_s, delta_s, dpr, transpose_B=True, clear_accum=True)
+                # Its column sums from cc_s, then its row sums as the column sums of its transpose.
                 for t, s in T.Parallel(_C, _C):
                     cc[t, s] = dab[t, s] * ag[t, s] + scale * dpr[t, s] * qk[t, s] * gm[t, s]
-                T.reduce_sum(cc, row, dim=1, clear=True)
                 for t, s in T.Parallel(_C, _C):
                     cc_s[t, s] = cc[t, s]
+                T.sync_threads()
+                column_partials(cc_s, col_part_s, tx)
+                T.sync_threads()
                 for t, s in T.Parallel(_C, _C):
-                    cc2[t, s] = cc_s[s, t]
-                for t in T.Parallel(_C):
-                    dgam_s[t] = dgam_s[t] + row[t]
-                T.reduce_sum(cc2, col_sum, dim=1, clear=True)
-                for t in T.Parallel(_C):
-                    dgam_s[t] = dgam_s[t] - col_sum[t]
+                    cc_s[s, t] = cc[t, s]
+                T.sync_threads()
+                column_partials(cc_s, row_part_s, tx)
+                T.sync_threads()
+                if tx < _C:
+                    dgam_s[tx] = dgam_s[tx] + sum_partials(row_part_s, tx) - sum_partials(col_part_s, tx)
                 for t, s in T.Parallel(_C, _C):
                     ab_s[t, s] = T.cast(scale * dpr[t, s] * gm[t, s], op)  # dPm
 
@@ -324,11 +348,15 @@ def chunk_grads_program(threads: int = THREADS):
                 for t, s in T.Parallel(_C, _C):
                     dl[t, s] = T.if_then_else(s < t, -dl[t, s], 0.0)
                 T.gemm(k_s, k_s, kk, transpose_B=True, clear_accum=True)
+                # dbeta += row sums of dL . KK^T, as the column sums of its transpose (cc_s is free:
+                # its last reads were before the two barriers since)
                 for t, s in T.Parallel(_C, _C):
-                    cc[t, s] = dl[t, s] * kk[t, s]
-                T.reduce_sum(cc, row, dim=1, clear=True)
-                for t in T.Parallel(_C):
-                    dbeta_s[t] = dbeta_s[t] + row[t]
+                    cc_s[s, t] = dl[t, s] * kk[t, s]
+                T.sync_threads()
+                column_partials(cc_s, row_part_s, tx)
+                T.sync_threads()
+                if tx < _C:
+                    dbeta_s[tx] = dbeta_s[tx] + sum_partials(row_part_s, tx)
                 # dK += (X + X^T) K with X = diag(beta) dL: two products instead of a transpose
                 # through shared memory.
                 T.sync_threads()  # every warpgroup has read dPm before X overwrites it

@@ -165,10 +165,10 @@ def state_gradients(q, k, gamma, gated_inverse, scores, do, dht, scale, cu_seqle
     (Pm, including scale): [T, Hv, 64] bf16 from the forward (forward.KeptForward); do: [T, Hv, 128] bf16;
     dht: [N, Hv, 128, 128] fp32; cu_seqlens, offsets: int32 [N + 1].
     pieces, walk_end: a forward plan's pieces (every sequence covered by one or more) and
-    chunk_plan.walk_ends for them; both None walks every sequence whole.
+    their walk_bounds(ahead=True); both None walks every sequence whole.
     """
     if (pieces is None) != (walk_end is None):
-        raise ValueError("state_gradients: pass pieces and walk_end together (chunk_plan.walk_ends), or neither")
+        raise ValueError("state_gradients: pass pieces and walk_end together, or neither")
     num_v_heads = do.shape[1]
     num_sequences = cu_seqlens.numel() - 1
     grads = torch.empty(max(num_chunks, 1), num_v_heads, HEAD_DIM, HEAD_DIM, dtype=torch.bfloat16, device=q.device)

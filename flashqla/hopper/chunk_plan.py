@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from flashqla.hopper.common import CHUNK_SIZE, HEAD_DIM
+from flashqla.hopper.common import CHUNK_SIZE, DEFAULT_LOG_DECAY_THRESHOLD, HEAD_DIM
 # pieces[p] = (sequence, first token, end token, 1 if the piece ends its sequence)
 PIECE_FIELDS = 4
 # An H100/H200 has 132 SMs; the kernels ask the device when one is present.
@@ -142,27 +142,6 @@ def plan_pieces(cu_seqlens: torch.Tensor, num_heads: int, value_blocks: int, sm_
 
 
 @dataclass
-class WalkIndex:
-    """The plan-only tensors of walk_starts, built once with the plan (a split forward reads them
-    on every call; building them per call cost a dozen small launches)."""
-
-    piece_start: torch.Tensor       # int64 [P]: first token of each piece
-    seq_start: torch.Tensor         # int64 [P]: first token of the piece's sequence
-    last_token: torch.Tensor        # int64 [P, max_back]: last token of the b-th chunk before the piece (>= 0)
-    before_sequence: torch.Tensor   # bool [P, max_back, 1]: that chunk lies before the sequence start
-
-
-@dataclass
-class WalkAheadIndex:
-    """What walk_ends reads for the backward's walk in pieces, built once with the plan."""
-
-    piece_end: torch.Tensor         # int64 [P]: end token of each piece
-    seq_end: torch.Tensor           # int64 [P]: end token of the piece's sequence
-    last_token: torch.Tensor        # int64 [P, max_ahead]: last token of the j-th chunk after the piece (>= 0)
-    after_sequence: torch.Tensor    # bool [P, max_ahead, 1]: that chunk lies past the sequence end
-
-
-@dataclass
 class ForwardPlan:
     """Everything the forward kernels index by, built on the host from one read of cu_seqlens.
 
@@ -173,8 +152,6 @@ class ForwardPlan:
     pieces: torch.Tensor           # int32 [P, 4]: see plan_pieces
     value_block: int               # V columns per CTA
     max_walk_back: int             # most chunks a piece can walk back before its start (0: none split)
-    walk_index: WalkIndex | None = None   # None when no piece walks back (max_walk_back == 0)
-    walk_ahead_index: WalkAheadIndex | None = None   # the backward's mirror of walk_index
 
 
 # Every GDN layer of a training step sees the same cu_seqlens: plan once, reuse for the others.
@@ -233,88 +210,52 @@ def build_forward_plan(bounds: list[int], device: torch.device, num_heads: int, 
         pieces=packed[n_index + n_offsets:].view(-1, 4),
         value_block=value_block,
         max_walk_back=max_walk_back,
-        walk_index=_walk_index(pieces, bounds, max_walk_back, chunk_size, device) if max_walk_back > 0 else None,
-        walk_ahead_index=_walk_ahead_index(pieces, bounds, chunk_size, device) if max_walk_back > 0 else None,
     )
 
 
-def _walk_ahead_index(pieces: np.ndarray, bounds: np.ndarray, chunk_size: int, device) -> WalkAheadIndex:
-    piece_end = pieces[:, 2]
-    seq_end = bounds[pieces[:, 0] + 1]
-    max_ahead = max(int(((seq_end - piece_end + chunk_size - 1) // chunk_size).max()), 1)
-    chunk_start = piece_end[:, None] + np.arange(max_ahead)[None, :] * chunk_size
-    last_token = np.minimum(chunk_start + chunk_size, seq_end[:, None]) - 1
-    after_sequence = chunk_start >= seq_end[:, None]
-    piece_end, seq_end, last_token, after_sequence = _on_device_in_one_copy(
-        [piece_end, seq_end, np.maximum(last_token, 0), after_sequence[..., None]], device)
-    return WalkAheadIndex(piece_end, seq_end, last_token, after_sequence.bool())
-
-
-def _on_device_in_one_copy(arrays: list[np.ndarray], device) -> list[torch.Tensor]:
-    """int64 copies of the arrays on `device`, shapes kept, moved by one host->device copy."""
-    flat = torch.from_numpy(np.concatenate([np.asarray(a, dtype=np.int64).reshape(-1) for a in arrays])).to(device)
-    sizes = [int(np.prod(a.shape)) for a in arrays]
-    return [part.view(a.shape) for part, a in zip(flat.split(sizes), arrays)]
-
-
-def walk_ends(gamma: torch.Tensor, index: WalkAheadIndex, log_decay_threshold: float = -10.0,
-              chunk_size: int = CHUNK_SIZE) -> torch.Tensor:
-    """int32 [P, H]: the token where each (piece, head) CTA of the backward's state-gradient walk
-    starts walking back from (on the GPU, no sync). The mirror of walk_starts: the gradient leaving a
-    piece is rebuilt from zero over the n chunks after it, n the fewest whose summed decay is
-    <= log_decay_threshold, else from the sequence end (exact, with dht); -inf always walks from
-    the sequence end. gamma: [T, H] fp32 chunk-local cumsum of g; index: ForwardPlan.walk_ahead_index."""
-    num_heads = gamma.shape[1]
-    num_pieces = index.piece_end.shape[0]
-    if log_decay_threshold == float("-inf"):
-        return index.seq_end.to(torch.int32)[:, None].expand(num_pieces, num_heads).contiguous()
-    short = _chunks_short_of_threshold(gamma, index.last_token, index.after_sequence, log_decay_threshold)
-    end = torch.minimum(index.piece_end[:, None] + (short + 1) * chunk_size, index.seq_end[:, None])
-    return end.to(torch.int32).contiguous()
-
-
-def _walk_index(pieces: np.ndarray, bounds: np.ndarray, max_walk_back: int, chunk_size: int, device) -> WalkIndex:
-    piece_start = pieces[:, 1]
-    seq_start = bounds[pieces[:, 0]]
-    last_token = piece_start[:, None] - np.arange(max_walk_back)[None, :] * chunk_size - 1
-    before_sequence = last_token < seq_start[:, None]
-    piece_start, seq_start, last_token, before_sequence = _on_device_in_one_copy(
-        [piece_start, seq_start, np.maximum(last_token, 0), before_sequence[..., None]], device)
-    return WalkIndex(piece_start, seq_start, last_token, before_sequence.bool())
-
-
 def walk_starts(pieces: torch.Tensor, cu_seqlens: torch.Tensor, gamma: torch.Tensor,
-                log_decay_threshold: float = -10.0, max_walk_back: int | None = None,
-                chunk_size: int = CHUNK_SIZE, walk_index: WalkIndex | None = None) -> torch.Tensor:
-    """int32 [P, H]: the token where each (piece, head) CTA starts walking (on the GPU, no sync).
+                log_decay_threshold: float = DEFAULT_LOG_DECAY_THRESHOLD, chunk_size: int = CHUNK_SIZE) -> torch.Tensor:
+    """int32 [P, H]: the token where each (piece, head) CTA of the forward's walk starts. The torch
+    definition of walk_bounds.walk_bounds(ahead=False), which the GPU runs; this one runs anywhere
+    (the kernel's tests compare the two bitwise) and reads one number back from the device.
 
     A piece that does not start its sequence needs the state entering it. Walking from zero over
     the n chunks before it rebuilds that state up to a relative error of exp(decay over those n
     chunks): take the fewest chunks whose summed decay is <= log_decay_threshold, else the whole
     prefix from the sequence start (exact, with h0). -inf always walks from the sequence start.
-
-    gamma: [T, H] fp32 chunk-local cumsum of g. max_walk_back (from ForwardPlan) saves a device sync;
-    walk_index (ForwardPlan.walk_index, built for these pieces) saves the index arithmetic.
+    gamma: [T, H] fp32 chunk-local cumsum of g; pieces: ForwardPlan.pieces.
     """
-    num_pieces = pieces.shape[0]
-    num_heads = gamma.shape[1]
-    if walk_index is not None:
-        piece_start, seq_start = walk_index.piece_start, walk_index.seq_start
-        max_walk_back = walk_index.last_token.shape[1]
-    else:
-        sequence = pieces[:, 0].long()
-        piece_start = pieces[:, 1].long()
-        seq_start = cu_seqlens.long()[sequence]
-        if max_walk_back is None:
-            max_walk_back = int(((piece_start - seq_start) // chunk_size).max().item()) if num_pieces else 0
-    if max_walk_back == 0 or log_decay_threshold == float("-inf"):
+    num_pieces, num_heads = pieces.shape[0], gamma.shape[1]
+    piece_start = pieces[:, 1].long()
+    seq_start = cu_seqlens.long()[pieces[:, 0].long()]
+    max_back = int(((piece_start - seq_start) // chunk_size).max()) if num_pieces else 0
+    if max_back == 0 or log_decay_threshold == float("-inf"):
         return seq_start.to(torch.int32)[:, None].expand(num_pieces, num_heads).contiguous()
-    if walk_index is None:
-        walk_index = WalkIndex(piece_start, seq_start, *_walk_grid(piece_start, seq_start, max_walk_back, chunk_size))
+    last_token = piece_start[:, None] - torch.arange(max_back, device=gamma.device)[None, :] * chunk_size - 1
+    outside = (last_token < seq_start[:, None])[..., None]
     # The walk takes one chunk more than those still short of the threshold (or reaches the sequence start).
-    short = _chunks_short_of_threshold(gamma, walk_index.last_token, walk_index.before_sequence, log_decay_threshold)
-    walk = torch.maximum(piece_start[:, None] - (short + 1) * chunk_size, seq_start[:, None])
-    return walk.to(torch.int32).contiguous()
+    short = _chunks_short_of_threshold(gamma, last_token.clamp(min=0), outside, log_decay_threshold)
+    return torch.maximum(piece_start[:, None] - (short + 1) * chunk_size, seq_start[:, None]).to(torch.int32)
+
+
+def walk_ends(pieces: torch.Tensor, cu_seqlens: torch.Tensor, gamma: torch.Tensor,
+              log_decay_threshold: float = DEFAULT_LOG_DECAY_THRESHOLD, chunk_size: int = CHUNK_SIZE) -> torch.Tensor:
+    """int32 [P, H]: the token where each (piece, head) CTA of the backward's state-gradient walk
+    starts walking back from; the torch definition of walk_bounds.walk_bounds(ahead=True). The
+    mirror of walk_starts: the gradient leaving a piece is rebuilt from zero over the n chunks after
+    it, n the fewest whose summed decay is <= log_decay_threshold, else from the sequence end
+    (exact, with dht); -inf always walks from the sequence end."""
+    num_pieces, num_heads = pieces.shape[0], gamma.shape[1]
+    piece_end = pieces[:, 2].long()
+    seq_end = cu_seqlens.long()[pieces[:, 0].long() + 1]
+    if num_pieces == 0 or log_decay_threshold == float("-inf"):
+        return seq_end.to(torch.int32)[:, None].expand(num_pieces, num_heads).contiguous()
+    max_ahead = max(int(((seq_end - piece_end + chunk_size - 1) // chunk_size).max()), 1)
+    chunk_start = piece_end[:, None] + torch.arange(max_ahead, device=gamma.device)[None, :] * chunk_size
+    last_token = torch.minimum(chunk_start + chunk_size, seq_end[:, None]) - 1
+    outside = (chunk_start >= seq_end[:, None])[..., None]
+    short = _chunks_short_of_threshold(gamma, last_token.clamp(min=0), outside, log_decay_threshold)
+    return torch.minimum(piece_end[:, None] + (short + 1) * chunk_size, seq_end[:, None]).to(torch.int32)
 
 
 def _chunks_short_of_threshold(gamma: torch.Tensor, last_token: torch.Tensor, outside: torch.Tensor,
@@ -326,10 +267,3 @@ def _chunks_short_of_threshold(gamma: torch.Tensor, last_token: torch.Tensor, ou
     # Scanned along the contiguous last dim: torch's scan over a middle dim took 0.35 ms at 131072 tokens.
     running = decay.transpose(1, 2).contiguous().double().cumsum(dim=-1)                 # [P, H, n]
     return (running > log_decay_threshold).sum(dim=-1)
-
-
-def _walk_grid(piece_start: torch.Tensor, seq_start: torch.Tensor, max_walk_back: int, chunk_size: int):
-    """WalkIndex.last_token and .before_sequence on the device, for callers without a plan."""
-    back = torch.arange(max_walk_back, device=piece_start.device)
-    last_token = piece_start[:, None] - back[None, :] * chunk_size - 1
-    return last_token.clamp(min=0), (last_token < seq_start[:, None])[..., None]

@@ -2,8 +2,8 @@
 
 1. `cumsum.py`: gamma, the chunk-local cumsum of g.
 2. `inverse.py`: the gate-free inverse A~ of every chunk and value head, in parallel.
-3. `chunk_plan.py`: the pieces each CTA walks (cached per cu_seqlens) and, for pieces that do not
-   start their sequence, where each head's warm-up starts (docs/gdn-math.md §4).
+3. `chunk_plan.py`: the pieces each CTA walks (cached per cu_seqlens); `walk_bounds.py`: where each
+   (piece, head) starts its decay-truncated warm-up (docs/gdn-math.md §4).
 4. `fused_forward.py`: the sequential walk over the chunks, building Ab and P on chip: o, the final
    state and, with `keep_for_backward`, Ab, P and the state entering every chunk.
 """
@@ -11,11 +11,12 @@ from typing import NamedTuple
 
 import torch
 
-from flashqla.hopper.chunk_plan import ForwardPlan, device_sm_count, flat_cu_seqlens, plan_forward, walk_starts
+from flashqla.hopper.chunk_plan import ForwardPlan, device_sm_count, flat_cu_seqlens, plan_forward
 from flashqla.hopper.common import DEFAULT_LOG_DECAY_THRESHOLD, unsupported_inputs
 from flashqla.hopper.cumsum import chunk_local_cumsum
 from flashqla.hopper.fused_forward import MAX_VALUE_BLOCK, fused_forward
 from flashqla.hopper.inverse import chunk_inverse
+from flashqla.hopper.walk_bounds import walk_bounds
 
 
 class KeptForward(NamedTuple):
@@ -38,7 +39,7 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
     (q, k already L2-normalised when asked), with a KeptForward third when keep_for_backward.
 
     log_decay_threshold: how far a piece of a split sequence may truncate the history it rebuilds
-    its entering state from (chunk_plan.walk_starts); -inf never truncates.
+    its entering state from (walk_bounds.py); -inf never truncates.
     cu_seqlens_host: cu_seqlens as a Python list when the caller has already read it back; saves
     the forward's only device->host sync.
     keep_for_backward: also return a KeptForward, which `backward.backward(..., kept=...)` takes
@@ -89,8 +90,7 @@ def walk_chunks(q_flat, k_flat, v_flat, gamma, beta_flat, inverse, scale, h0, cu
     """Steps 3-4 on flattened inputs ([T, H, 128]; h0 float32 or None): the warm-up starts of the
     plan's pieces, then the fused walk. (o, final_state, chunk states, Ab, P; each of the last three
     None unless stored)."""
-    walk = walk_starts(plan.pieces, cu_seqlens, gamma, log_decay_threshold, plan.max_walk_back,
-                       walk_index=plan.walk_index)
+    walk = walk_bounds(gamma, plan.pieces, cu_seqlens, ahead=False, log_decay_threshold=log_decay_threshold)
     return fused_forward(q_flat, k_flat, v_flat, gamma, beta_flat, inverse, scale, h0, cu_seqlens, plan.value_block,
                          plan.pieces, walk, store_chunk_states=store_chunk_states, store_products=store_products,
                          offsets=plan.chunk_offsets, num_chunks=plan.chunk_index.shape[0])

@@ -349,7 +349,7 @@ def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma: torc
 
     q, k: [T, Hqk, K]; v: [T, Hv, V]; gamma (fp32 chunk-local cumsum), beta: [T, Hv]; inverse: the
     gate-free A~, [T, Hv, 64] in q's dtype; initial_state: [N, Hv, K, V] fp32 or None; cu_seqlens:
-    int32 [N+1]; pieces, walk_start: from chunk_plan.plan_pieces / walk_starts; value_block: the plan's.
+    int32 [N+1]; pieces, walk_start: from chunk_plan.plan_pieces / walk_bounds; value_block: the plan's.
     store_chunk_states: also return the state entering every chunk, [num_chunks, Hv, K, V] in v's
     dtype (chunk c of sequence n at row offsets[n] + c); in a split sequence each piece's states come
     from its own (warm-up) walk. num_chunks: offsets' last entry when the caller knows it.

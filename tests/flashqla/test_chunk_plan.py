@@ -86,10 +86,6 @@ def assert_same_plan(a, b):
         x, y = getattr(a, name), getattr(b, name)
         assert x.dtype == y.dtype and x.tolist() == y.tolist(), name
     assert (a.value_block, a.max_walk_back) == (b.value_block, b.max_walk_back)
-    assert (a.walk_index is None) == (b.walk_index is None)
-    if a.walk_index is not None:
-        for name in ("piece_start", "seq_start", "last_token", "before_sequence"):
-            assert getattr(a.walk_index, name).tolist() == getattr(b.walk_index, name).tolist(), name
 
 
 PLAN_BOUNDS = [
@@ -152,7 +148,12 @@ def test_plan_cache_stays_small():
 
 @pytest.mark.parametrize("bounds", PLAN_BOUNDS)
 @pytest.mark.parametrize("threshold", [-10.0, -2.0, float("-inf")])
-def test_walk_starts_from_the_plan_index_equal_the_direct_computation(bounds, threshold):
+def test_walk_bounds_of_every_plan_lie_on_chunk_boundaries_of_their_sequence(bounds, threshold):
+    """For each plan's pieces: a walk starts at a chunk boundary between its sequence start and its
+    piece start, and ends (backward) at one between its piece end and its sequence end; -inf walks
+    from the sequence edges, and at -2 some cut piece truncates its warm-up in each direction."""
+    from flashqla.hopper.chunk_plan import walk_ends
+
     torch.manual_seed(1)
     num_heads = 4
     total = bounds[-1]
@@ -164,13 +165,23 @@ def test_walk_starts_from_the_plan_index_equal_the_direct_computation(bounds, th
     for start, end in zip(bounds, bounds[1:]):
         for c in range(start, end, 64):
             chunk_local[c:min(c + 64, end)] = g[c:min(c + 64, end)].cumsum(0)
-    direct = walk_starts(plan.pieces, cu, chunk_local, threshold)
-    planned = walk_starts(plan.pieces, cu, chunk_local, threshold, plan.max_walk_back, walk_index=plan.walk_index)
-    assert planned.dtype == direct.dtype == torch.int32
-    assert planned.tolist() == direct.tolist()
+    starts = walk_starts(plan.pieces, cu, chunk_local, threshold)
+    ends = walk_ends(plan.pieces, cu, chunk_local, threshold)
+    assert starts.dtype == ends.dtype == torch.int32
+    assert starts.shape == ends.shape == (plan.pieces.shape[0], num_heads)
+    truncated_start = truncated_end = False
+    for (seq, first, end, _), walk_from, walk_to in zip(plan.pieces.tolist(), starts.tolist(), ends.tolist()):
+        seq_start, seq_end = bounds[seq], bounds[seq + 1]
+        for w, e in zip(walk_from, walk_to):
+            assert seq_start <= w <= first and (w - seq_start) % 64 == 0
+            assert end <= e <= seq_end and ((e - seq_start) % 64 == 0 or e == seq_end)
+            if threshold == float("-inf"):
+                assert (w, e) == (seq_start, seq_end)
+            truncated_start |= seq_start < w < first
+            truncated_end |= end < e < seq_end
+        assert (walk_from[0], walk_to[0]) == (seq_start, seq_end)   # the head without decay
     if plan.max_walk_back > 0 and threshold == -2.0:
-        starts = plan.pieces[:, 1].tolist()
-        assert any(w < s for row, s in zip(planned.tolist(), starts) for w in row)   # some pieces walk back
+        assert truncated_start and truncated_end
 
 
 def test_chunk_states_takes_the_plans_offsets_only_with_their_chunk_count():
@@ -226,8 +237,8 @@ def test_walk_ends_stop_once_the_future_has_decayed():
     # chunk-local cumsum: chunks restart at every sequence start
     gamma = torch.cat([g[c:min(c + 64, b)].cumsum(0) for a, b in zip(bounds, bounds[1:]) for c in range(a, b, 64)])
     plan = build_forward_plan(bounds, torch.device("cpu"), H, 128, 132, 64)
-    assert plan.walk_ahead_index is not None
-    ends = walk_ends(gamma, plan.walk_ahead_index, -10.0)
+    assert plan.max_walk_back > 0
+    ends = walk_ends(plan.pieces, torch.tensor(bounds, dtype=torch.int32), gamma, -10.0)
     for p, (seq, start, end, last) in enumerate(plan.pieces.tolist()):
         seq_end = bounds[seq + 1]
         assert int(ends[p, 0]) == seq_end
@@ -241,7 +252,7 @@ def test_walk_ends_stop_once_the_future_has_decayed():
                 assert g[end:e - 64, h].sum() > -10.0         # and no more chunks than needed
             else:
                 assert g[end:seq_end - 64 if seq_end - end > 64 else end, h].sum() > -10.0
-    exact = walk_ends(gamma, plan.walk_ahead_index, float("-inf"))
+    exact = walk_ends(plan.pieces, torch.tensor(bounds, dtype=torch.int32), gamma, float("-inf"))
     assert exact.tolist() == [[bounds[s + 1]] * H for s in plan.pieces[:, 0].tolist()]
 
 

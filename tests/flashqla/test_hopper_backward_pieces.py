@@ -1,5 +1,5 @@
 """The state-gradient walk in pieces (`hopper.backward` on sequences the forward's plan cuts): each
-piece's CTA starts from a decay-truncated warm-up after its piece (chunk_plan.walk_ends) instead of
+piece's CTA starts from a decay-truncated warm-up after its piece (walk_bounds.py) instead of
 one CTA walking the whole sequence.
 
 With the exact threshold (-inf) the pieces give bitwise the whole-sequence walk's state gradients;
@@ -46,16 +46,16 @@ def _plan_and_gamma(inputs):
 
 @pytest.mark.parametrize("case", list(CUT_CASES))
 def test_exact_pieces_give_bitwise_the_whole_sequence_walk(case):
-    """walk_ends(-inf) starts every piece's walk at its sequence end, so each piece repeats the
+    """Threshold -inf starts every piece's walk at its sequence end, so each piece repeats the
     whole-sequence walk's steps for its own chunks: the same bits."""
     from flashqla.hopper.backward_state_grads import state_gradients
-    from flashqla.hopper.chunk_plan import walk_ends
+    from flashqla.hopper.walk_bounds import walk_bounds
     from flashqla.hopper.forward import forward
 
     heads, lengths = CUT_CASES[case]
     inputs, do, dht = make_backward_inputs(lengths, *heads, True, strong_decay=True)
     plan, gamma = _plan_and_gamma(inputs)
-    assert plan.walk_ahead_index is not None, "the planner did not cut this case"
+    assert plan.max_walk_back > 0, "the planner did not cut this case"
     q, k = inputs["q"][0], inputs["k"][0]
     _, _, kept = forward(inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"], SCALE,
                          inputs["initial_state"], False, inputs["cu_seqlens"], keep_for_backward=True)
@@ -64,7 +64,7 @@ def test_exact_pieces_give_bitwise_the_whole_sequence_walk(case):
     args = (q, k, gamma, ab, p, do[0], dht, SCALE, inputs["cu_seqlens"], plan.chunk_offsets,
             plan.chunk_index.shape[0], plan.value_block)
     whole = state_gradients(*args)
-    ends = walk_ends(gamma, plan.walk_ahead_index, float("-inf"))
+    ends = walk_bounds(gamma, plan.pieces, inputs["cu_seqlens"], ahead=True, log_decay_threshold=float("-inf"))
     pieces = state_gradients(*args, pieces=plan.pieces, walk_end=ends)
     assert torch.equal(whole[0], pieces[0]) and torch.equal(whole[1], pieces[1])
 
@@ -74,7 +74,7 @@ def test_exact_pieces_give_bitwise_the_whole_sequence_walk(case):
 def test_backward_in_pieces_matches_float64(case, with_initial_state):
     heads, lengths = CUT_CASES[case]
     inputs, do, dht = make_backward_inputs(lengths, *heads, with_initial_state, strong_decay=True)
-    assert _plan_and_gamma(inputs)[0].walk_ahead_index is not None, "the planner did not cut this case"
+    assert _plan_and_gamma(inputs)[0].max_walk_back > 0, "the planner did not cut this case"
     ours = backward_with(inputs, do, dht)
     for name, grad in zip(GRAD_NAMES, ours):
         assert torch.isfinite(grad).all(), name

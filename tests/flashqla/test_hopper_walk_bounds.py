@@ -1,5 +1,5 @@
-"""The walk-bounds kernel (flashqla/hopper/walk_bounds.py, a candidate) against the torch ops it would
-replace: chunk_plan.walk_starts (the forward's warm-up starts) and walk_ends (the backward's), bitwise.
+"""The walk-bounds kernel (flashqla/hopper/walk_bounds.py) against its torch definition:
+chunk_plan.walk_starts (the forward's warm-up starts) and walk_ends (the backward's), bitwise.
 
 GPU (marked gpu, SM90), on the plans of single long sequences and of ragged batches, with heads that
 never decay (every bound at the sequence edge), weak decay (warm-ups of ~150 chunks: several warp
@@ -42,10 +42,10 @@ def test_walk_bounds_equal_the_torch_ops(name, threshold):
     cu_seqlens = torch.tensor([0, *lengths], device="cuda").cumsum(0).to(torch.int32)
     plan = plan_forward(cu_seqlens, num_heads, 128, torch.cuda.get_device_properties().multi_processor_count,
                         MAX_VALUE_BLOCK)
-    assert plan.walk_index is not None, f"{name}: the planner did not cut it"
+    assert plan.max_walk_back > 0, f"{name}: the planner did not cut it"
     gamma = chunk_local_gamma(cu_seqlens, num_heads, seed=len(name))
-    starts = walk_starts(plan.pieces, cu_seqlens, gamma, threshold, plan.max_walk_back, walk_index=plan.walk_index)
-    ends = walk_ends(gamma, plan.walk_ahead_index, threshold)
+    starts = walk_starts(plan.pieces, cu_seqlens, gamma, threshold)
+    ends = walk_ends(plan.pieces, cu_seqlens, gamma, threshold)
     kernel_starts = walk_bounds(gamma, plan.pieces, cu_seqlens, ahead=False, log_decay_threshold=threshold)
     kernel_ends = walk_bounds(gamma, plan.pieces, cu_seqlens, ahead=True, log_decay_threshold=threshold)
     assert kernel_starts.dtype == kernel_ends.dtype == torch.int32
