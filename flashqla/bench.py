@@ -3,7 +3,7 @@ and side-by-side timings of kernel variants (--compare).
 
     python -m flashqla.bench [--fwd] [--bwd] [--json PATH] [--shapes SUBSTR,...] [--baselines fla,flashqla]
                              [--time-budget SECONDS] [--breakdown] [--model]
-    python -m flashqla.bench --compare [keep_forward,conv,inverse,chunk_grads] [--json PATH]
+    python -m flashqla.bench --compare [keep_forward,conv,inverse] [--json PATH]
 
 Each library is called the way its users call it: ours through `flashqla.chunk_gated_delta_rule`
 (backend="tilelang", input checks included), FLA through its `chunk_gated_delta_rule` beneath
@@ -35,8 +35,7 @@ FLA_CACHE_RESULTS=0) and the timed run then autotunes alone with every kernel al
 ratios (timings live here, not in the GPU tests, so a busy machine cannot fail a correctness test):
 - keep_forward: forward + backward through the public op, keep_for_backward=False, "products" and True;
 - conv: the GDN layer's conv + SiLU, the TileLang kernel against torch.compile of its definition;
-- inverse: the chunks' inverse A~ against FlashQLA's kkt_solve;
-- chunk_grads: the chunk-gradient kernel at two warpgroups against the four-warpgroup candidate.
+- inverse: the chunks' inverse A~ against FlashQLA's kkt_solve.
 """
 from __future__ import annotations
 
@@ -395,44 +394,7 @@ def compare_inverse(rep_ms: int):
         yield name, times
 
 
-def compare_chunk_grads(rep_ms: int):
-    """The chunk-gradient kernel at its verified thread count against the candidate (backward_chunk_grads.py),
-    on the kernel's own inputs (random states and state gradients). Raises where dq, dk, dv differ at all
-    or dg, dbeta (block reductions in another order) by more than 1e-5 of their largest value."""
-    from flashqla.hopper import backward_chunk_grads as cg
-    from flashqla.hopper.chunk_plan import chunk_indices
-    from flashqla.hopper.cumsum import chunk_local_cumsum
-    from flashqla.hopper.inverse import chunk_inverse
-
-    for name, heads, seq_lens in INVERSE_SHAPES:
-        x = make_inputs(heads, seq_lens)
-        cu = x["cu_seqlens"]
-        index = chunk_indices(cu)
-        total, num_v_heads = x["g"].shape[1], heads[1]
-        q, k, v = x["q"][0], x["k"][0], x["v"][0]
-        beta = x["beta"][0].float().contiguous()
-        gamma = chunk_local_cumsum(x["g"], cu, chunk_index=index).view(total, num_v_heads)
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        states, state_grads = (torch.randn(index.shape[0], num_v_heads, 128, 128, generator=gen, device="cuda")
-                               .to(torch.bfloat16) for _ in range(2))
-        do = torch.randn(v.shape, generator=gen, device="cuda").to(torch.bfloat16)
-        args = (q, k, v, gamma, beta, chunk_inverse(k, beta, cu, index), states, state_grads, do, 128 ** -0.5, cu,
-                index)
-        verified = cg.chunk_gradients(*args)
-        candidate = cg.chunk_gradients(*args, threads=cg.CANDIDATE_THREADS)
-        for label, a, b in zip(("dq", "dk", "dv"), verified[:3], candidate[:3]):
-            if not torch.equal(a, b):
-                raise AssertionError(f"chunk grads {name}: {label} of the candidate differs")
-        for label, a, b in zip(("dg", "dbeta"), verified[3:], candidate[3:]):
-            if (a - b).abs().max() > 1e-5 * a.abs().max():
-                raise AssertionError(f"chunk grads {name}: {label} of the candidate differs by more than 1e-5")
-        yield name, {f"{cg.THREADS} threads": _median_ms(lambda: cg.chunk_gradients(*args), rep_ms),
-                     f"{cg.CANDIDATE_THREADS} threads": _median_ms(
-                         lambda: cg.chunk_gradients(*args, threads=cg.CANDIDATE_THREADS), rep_ms)}
-
-
-COMPARISONS = {"keep_forward": compare_keep_forward, "conv": compare_conv, "inverse": compare_inverse,
-               "chunk_grads": compare_chunk_grads}
+COMPARISONS = {"keep_forward": compare_keep_forward, "conv": compare_conv, "inverse": compare_inverse}
 
 
 def run_comparisons(names: list[str], rep_ms: int, json_path: str | None) -> None:

@@ -33,16 +33,14 @@ from flashqla.hopper.chunk_plan import device_sm_count
 from flashqla.hopper.common import CHUNK_SIZE, HEAD_DIM, compile_for_hopper
 
 _C = CHUNK_SIZE
-# Threads per CTA: two warpgroups (the verified kernel) or four (a candidate: every product split
-# four ways along N, half the registers a thread, twice the warps to hide the elementwise chains;
-# reached only through `bench --compare chunk_grads` and its GPU test until they pass on a GPU).
-THREADS = 256
-CANDIDATE_THREADS = 512
+# Two warpgroups. Four (every product split four ways along N, 128 registers a thread) were 1.3-1.5x
+# slower on the H200: 300 bytes of spills a thread (docs/kernel-notes.md).
+_THREADS = 256
 # Shared buffers filled by TMA: the only ones another task's loads write while this task runs.
 TMA_BUFFERS = ("q_s", "k_s", "inv_s", "do_s", "w_s", "s0_s", "ds_s")
 
 
-def chunk_grads_program(threads: int = THREADS):
+def chunk_grads_program():
     """Kernel for K = V = 128, bf16 operands, float32 gamma and beta; head counts, lengths, scale
     and the number of CTAs are run-time values."""
     K = V = HEAD_DIM
@@ -53,7 +51,7 @@ def chunk_grads_program(threads: int = THREADS):
     num_chunks = T.dynamic("num_chunks")
     op = "bfloat16"
     f32 = "float32"
-    parts = threads // _C  # row blocks of a column sum, one thread per (block, column)
+    parts = _THREADS // _C  # row blocks of a column sum, one thread per (block, column)
 
     @T.macro
     def column_partials(tile, partial, tx):
@@ -95,7 +93,7 @@ def chunk_grads_program(threads: int = THREADS):
         scale: T.float32,
         num_workers: T.int32,
     ):
-        with T.Kernel(num_workers, threads=threads) as worker:
+        with T.Kernel(num_workers, threads=_THREADS) as worker:
             tx = T.get_thread_binding()
             group = num_v_heads // num_qk_heads
             num_tasks = num_chunks * num_v_heads
@@ -175,12 +173,12 @@ def chunk_grads_program(threads: int = THREADS):
             T.tma_copy(k[first_start:first_start + _C, first_head // group, 0:K], k_s, barrier=loads_a[0])
             T.tma_copy(inverse[first_start:first_start + _C, first_head, 0:_C], inv_s, barrier=loads_a[0])
             T.tma_copy(do[first_start:first_start + _C, first_head, 0:V], do_s, barrier=loads_a[0])
-            if T.shuffle_elect(threads):
+            if T.shuffle_elect(_THREADS):
                 T.barrier_arrive(loads_a[0])
             T.tma_copy(v[first_start:first_start + _C, first_head, 0:V], w_s, barrier=loads_b[0])
             T.tma_copy(chunk_states[first_chunk, first_head, 0:K, 0:V], s0_s, barrier=loads_b[0])
             T.tma_copy(chunk_state_grads[first_chunk, first_head, 0:K, 0:V], ds_s, barrier=loads_b[0])
-            if T.shuffle_elect(threads):
+            if T.shuffle_elect(_THREADS):
                 T.barrier_arrive(loads_b[0])
             if tx < _C:
                 gamma_next = gamma[first_start + T.min(tx, first_length - 1), first_head]
@@ -292,7 +290,7 @@ def chunk_grads_program(threads: int = THREADS):
                     T.tma_copy(v[next_start:next_start + _C, next_head, 0:V], w_s, barrier=loads_b[0])
                     T.tma_copy(chunk_states[next_chunk, next_head, 0:K, 0:V], s0_s, barrier=loads_b[0])
                     T.tma_copy(chunk_state_grads[next_chunk, next_head, 0:K, 0:V], ds_s, barrier=loads_b[0])
-                    if T.shuffle_elect(threads):
+                    if T.shuffle_elect(_THREADS):
                         T.barrier_arrive(loads_b[0])
                     if tx < _C:
                         gamma_next = gamma[next_start + T.min(tx, next_length - 1), next_head]
@@ -372,7 +370,7 @@ def chunk_grads_program(threads: int = THREADS):
                     T.tma_copy(k[next_start:next_start + _C, next_head // group, 0:K], k_s, barrier=loads_a[0])
                     T.tma_copy(inverse[next_start:next_start + _C, next_head, 0:_C], inv_s, barrier=loads_a[0])
                     T.tma_copy(do[next_start:next_start + _C, next_head, 0:V], do_s, barrier=loads_a[0])
-                    if T.shuffle_elect(threads):
+                    if T.shuffle_elect(_THREADS):
                         T.barrier_arrive(loads_a[0])
 
                 for t, d in T.Parallel(_C, K):
@@ -401,8 +399,8 @@ def chunk_grads_program(threads: int = THREADS):
 
 
 @functools.lru_cache(maxsize=None)
-def compile_chunk_grads(threads: int = THREADS):
-    return compile_for_hopper(chunk_grads_program(threads), fast_math=True)
+def compile_chunk_grads():
+    return compile_for_hopper(chunk_grads_program(), fast_math=True)
 
 
 def chunk_bounds(cu_seqlens: torch.Tensor, chunk_index: torch.Tensor) -> torch.Tensor:
@@ -415,14 +413,14 @@ def chunk_bounds(cu_seqlens: torch.Tensor, chunk_index: torch.Tensor) -> torch.T
 
 
 def chunk_gradients(q, k, v, gamma, beta, inverse, chunk_states, chunk_state_grads, do, scale, cu_seqlens,
-                       chunk_index, num_workers: int | None = None, threads: int = THREADS):
+                       chunk_index, num_workers: int | None = None):
     """Run the kernel on flattened inputs; returns (dq, dk per value head, dv, dg, dbeta).
 
     q, k: [T, Hqk, 128] bf16; v, do: [T, Hv, 128] bf16; gamma (chunk-local cumsum), beta: [T, Hv] fp32;
     inverse: [T, Hv, 64] bf16; chunk_states (entering each chunk), chunk_state_grads (leaving it):
     [num_chunks, Hv, 128, 128] bf16 in chunk_index order; cu_seqlens: int32 [N + 1];
     chunk_index: int32 [num_chunks, 2] (sequence, chunk within it); num_workers (CTAs) defaults to
-    the SM count; threads per CTA: THREADS, or CANDIDATE_THREADS from the bench and its test.
+    the SM count.
     dq, dk, dv: bf16 [T, Hv, 128]; dg, dbeta: float32 [T, Hv].
     """
     num_tokens, _, head_dim = q.shape
@@ -440,7 +438,7 @@ def chunk_gradients(q, k, v, gamma, beta, inverse, chunk_states, chunk_state_gra
             num_workers = device_sm_count(q.device)
         num_workers = max(1, min(num_workers, num_chunks * num_v_heads))
         bounds = chunk_bounds(cu_seqlens, chunk_index)
-        kernel = compile_chunk_grads(threads)
+        kernel = compile_chunk_grads()
         kernel(q, k, v, gamma, beta, inverse, chunk_states, chunk_state_grads, do, bounds, dq_head, dk_head, dv, dg,
                dbeta, float(scale), num_workers)
     return dq_head, dk_head, dv, dg, dbeta
