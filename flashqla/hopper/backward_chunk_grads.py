@@ -16,7 +16,10 @@ over each head group in backward.py). What keeps the SM busy:
   the largest loads (64 KB of states) fly during the second half of the task. Group A is issued
   after the task's last read of q, k, A~, dO.
 - gamma and beta of the next task are read into registers when group B is issued and written to
-  shared at the start of the next task (plain loads: TMA cannot fetch a 4-byte column).
+  shared at the start of the next task (plain loads: TMA cannot fetch a 4-byte column);
+- the column sums and the 64 x 64 row sums (dbeta, dgamma) go through a float32 shared tile with
+  one thread per (block of rows, column): 2 barriers each, where TileLang's block reduction of a
+  transposed fragment took 48 (docs/kernel-notes.md, tenth session).
 
 Every refill is issued by one elected thread after a block-wide barrier that follows the last read
 of the buffers it overwrites (TileLang's gemm waits for its wgmma before returning), and each
