@@ -14,6 +14,8 @@
 #                       later bench spends no minutes per layout there. Autotune results are not kept
 #                       (FLA_CACHE_RESULTS=0): the timed run autotunes alone on the GPU.
 #   ncu                 Nsight Compute sections of one launch each of our four main kernels (NCU_SHAPE=16/64:8192)
+#   ncu-source          one launch of NCU_KERNELS (default chunk_grads) with PC sampling: the report, its SASS page
+#                       as CSV and the 40 instructions that stall most (tools/ncu_top_stalls.py)
 #   tests-model         the GPU tests of the conv kernel and of qwen_hybrid/ only
 #   compare-conv        python -m flashqla.bench --compare conv (the conv kernel against torch.compile)
 #   attention           python -m benchmarks.attention_backends (SDPA's kernels and varlen_attn; ATTENTION_ARGS)
@@ -147,6 +149,17 @@ run_part() {
 heads, lens = sys.argv[1].split(":"); heads = tuple(map(int, heads.split("/"))); lens = list(map(int, lens.split("+")))
 print(first_call_s(implementations([])["ours"], make_inputs(heads, lens)))' "${NCU_SHAPE:-16/64:8192}"
         ;;
+    ncu-source)
+        # One launch of NCU_KERNELS (default the chunk gradients) with PC sampling, kept as $OUT/ncu-source.ncu-rep,
+        # then its per-SASS-instruction page as CSV and the 40 instructions with the most stall samples.
+        step ncu-source-collect 150 60 ncu --clock-control none -k "regex:${NCU_KERNELS:-chunk_grads}" -c 1 \
+            --section WarpStateStats --section SourceCounters --section InstructionStats -f -o "$OUT/ncu-source" \
+            "$PYTHON" -c 'import sys, torch; from flashqla.bench import make_inputs, implementations, first_call_s
+heads, lens = sys.argv[1].split(":"); heads = tuple(map(int, heads.split("/"))); lens = list(map(int, lens.split("+")))
+print(first_call_s(implementations([])["ours"], make_inputs(heads, lens)))' "${NCU_SHAPE:-16/64:8192}"
+        step ncu-source-page 60 20 bash -c 'ncu -i "$0/ncu-source.ncu-rep" --page source --print-source sass --csv \
+            > "$0/ncu-source.csv" && '"$PYTHON"' tools/ncu_top_stalls.py "$0/ncu-source.csv"' "$OUT"
+        ;;
     tests-model)
         # the conv kernel, the loss's compiled passes and the model's GPU tests (a quicker subset of tests)
         step pytest-model 400 60 "$PYTHON" -m pytest -m gpu -q -rfE -p no:cacheprovider --timeout=300 \
@@ -255,7 +268,7 @@ print("max |difference|", max(abs(losses[0][s] - losses[1][s]) for s in losses[0
             launch/benchmark.sh 0.8B 8192 tilelang ${TP2_OVERRIDES:-}
         ;;
     *)
-        echo "unknown part '$1': tests, tests-model, unverified, compare, compare-conv, attention, bench, bench-warm, ncu," \
+        echo "unknown part '$1': tests, tests-model, unverified, compare, compare-conv, attention, bench, bench-warm, ncu, ncu-source," \
             "train-8k, train-32k, train-32k-compare, train-32k-compare-recompute, train-128k-compare, train-128k-tilelang, train-128k-fla, train-256k, train-2b, train," \
             "idle, timing-cost, checkpoint-layers, keep-levels, model-bench, model-vs-hf," \
             "tp2, tp2-8k" >&2
