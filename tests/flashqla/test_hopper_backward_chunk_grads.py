@@ -67,9 +67,14 @@ def test_load_groups_are_waited_before_reads_and_refilled_after_last_read(kernel
 
 @needs_nvcc
 def test_tma_buffers_share_no_shared_memory(kernel_source):
-    from tilelang import tvm
-
     from flashqla.hopper.backward_chunk_grads import TMA_BUFFERS, chunk_grads_program
+
+    assert_tma_buffers_alone(chunk_grads_program(), kernel_source, TMA_BUFFERS)
+
+
+def assert_tma_buffers_alone(program, kernel_source, tma_buffers):
+    """No buffer TMA fills shares a byte of shared memory with another buffer, and all of them fit."""
+    from tilelang import tvm
 
     sizes = {}
 
@@ -81,11 +86,11 @@ def test_tma_buffers_share_no_shared_memory(kernel_source):
                     count *= int(extent)
                 sizes[buffer.name] = count * tvm.DataType(buffer.dtype).bits // 8
 
-    tvm.tirx.stmt_functor.post_order_visit(chunk_grads_program().body, collect)
+    tvm.tirx.stmt_functor.post_order_visit(program.body, collect)
     offsets = {name: int(offset) for name, offset in
                re.findall(r"void\* (\w+) = \(\(void\*\)\(\(char\*\)buf_dyn_shmem \+ (\d+)\)\);", kernel_source)}
-    assert set(TMA_BUFFERS) <= set(offsets)
-    for name in TMA_BUFFERS:
+    assert set(tma_buffers) <= set(offsets)
+    for name in tma_buffers:
         start, end = offsets[name], offsets[name] + sizes[name]
         for other, other_start in offsets.items():
             if other == name:
