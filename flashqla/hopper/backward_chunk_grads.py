@@ -43,6 +43,34 @@ _THREADS = 256
 TMA_BUFFERS = ("q_s", "k_s", "inv_s", "do_s", "w_s", "s0_s", "ds_s")
 
 
+def tile_sum_macros(parts: int):
+    """(column_partials, sum_partials): column sums of a float32 C x C shared tile by `parts` x C
+    threads, one per (block of C / parts rows, column), then the blocks' partials in a fixed order
+    (deterministic). TileLang's block reduction of a transposed fragment took 48 barriers per column
+    sum; these take the caller's two (one after writing the tile, one after the partials)."""
+
+    @T.macro
+    def column_partials(tile, partial, lane):
+        """partial[p, s] = the sum of tile[t, s] over the p-th block of rows t (lane: the thread's
+        index among the parts x C)."""
+        column_sum = T.alloc_var("float32")
+        column_sum = 0.0
+        for r in T.unroll(_C // parts):
+            column_sum = column_sum + tile[(lane // _C) * (_C // parts) + r, lane % _C]
+        partial[lane // _C, lane % _C] = column_sum
+
+    @T.macro
+    def sum_partials(partial, s):
+        """Column s's sum from column_partials."""
+        total = T.alloc_var("float32")
+        total = partial[0, s]
+        for p in T.serial(1, parts):
+            total = total + partial[p, s]
+        return total
+
+    return column_partials, sum_partials
+
+
 def chunk_grads_program():
     """Kernel for K = V = 128, bf16 operands, float32 gamma and beta; head counts, lengths, scale
     and the number of CTAs are run-time values."""
@@ -54,27 +82,7 @@ def chunk_grads_program():
     num_chunks = T.dynamic("num_chunks")
     op = "bfloat16"
     f32 = "float32"
-    parts = _THREADS // _C  # row blocks of a column sum, one thread per (block, column)
-
-    @T.macro
-    def column_partials(tile, partial, tx):
-        """partial[p, s] = the sum of tile[t, s] over the p-th block of rows t: one pass over a float32
-        C x C shared tile the caller has written and synced. TileLang's block reduction of a
-        transposed fragment took 48 barriers per column sum; this takes the caller's two."""
-        column_sum = T.alloc_var(f32)
-        column_sum = 0.0
-        for r in T.unroll(_C // parts):
-            column_sum = column_sum + tile[(tx // _C) * (_C // parts) + r, tx % _C]
-        partial[tx // _C, tx % _C] = column_sum
-
-    @T.macro
-    def sum_partials(partial, s):
-        """Column s's sum from column_partials, block by block in a fixed order (deterministic)."""
-        total = T.alloc_var(f32)
-        total = partial[0, s]
-        for p in T.serial(1, parts):
-            total = total + partial[p, s]
-        return total
+    column_partials, sum_partials = tile_sum_macros(_THREADS // _C)
 
     @T.prim_func
     def chunk_grads_kernel(
@@ -121,8 +129,8 @@ def chunk_grads_program():
             # Float32 C x C scratch for the column and row sums of C x C products, in dDelta's
             # bytes: dDelta is read for the last time (dAb = dDelta W^T) before its first use.
             cc_s = T.view(d_delta_s, (_C, _C), f32)
-            col_part_s = T.alloc_shared((parts, _C), f32)
-            row_part_s = T.alloc_shared((parts, _C), f32)
+            col_part_s = T.alloc_shared((_THREADS // _C, _C), f32)
+            row_part_s = T.alloc_shared((_THREADS // _C, _C), f32)
             b_s = T.alloc_shared((_C,), f32)
             gam_s = T.alloc_shared((_C,), f32)
             dec_s = T.alloc_shared((_C,), f32)  # e^{gamma_t}

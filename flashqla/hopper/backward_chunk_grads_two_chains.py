@@ -27,6 +27,7 @@ from types import SimpleNamespace
 
 import tilelang.language as T
 
+from flashqla.hopper.backward_chunk_grads import tile_sum_macros
 from flashqla.hopper.common import CHUNK_SIZE, HEAD_DIM, compile_for_hopper
 
 _C = CHUNK_SIZE
@@ -49,23 +50,7 @@ def two_chain_program():
     op = "bfloat16"
     f32 = "float32"
 
-    @T.macro
-    def column_partials(tile, partial, lane):
-        """partial[p, s] = the sum of the float32 C x C shared tile's column s over row block p; one
-        warpgroup, one thread per (block, column); the caller syncs before and after."""
-        column_sum = T.alloc_var(f32)
-        column_sum = 0.0
-        for r in T.unroll(_C // _PARTS):
-            column_sum = column_sum + tile[(lane // _C) * (_C // _PARTS) + r, lane % _C]
-        partial[lane // _C, lane % _C] = column_sum
-
-    @T.macro
-    def sum_partials(partial, s):
-        total = T.alloc_var(f32)
-        total = partial[0, s]
-        for p in T.serial(1, _PARTS):
-            total = total + partial[p, s]
-        return total
+    column_partials, sum_partials = tile_sum_macros(_PARTS)
 
     @T.macro
     def gate(gam_s, t, s, length):
