@@ -401,6 +401,7 @@ def compare_chunk_grads(rep_ms: int):
     gradients). Raises where the candidate's dq, dk, dv are more than 1e-3 (relative L2) from the
     kernel's, or dg, dbeta more than 1e-4."""
     from flashqla.hopper.backward_chunk_grads import chunk_gradients
+    from flashqla.hopper.backward_chunk_grads_two_chains import compile_chunk_grads_two_chains
     from flashqla.hopper.chunk_plan import chunk_indices
     from flashqla.hopper.cumsum import chunk_local_cumsum
     from flashqla.hopper.inverse import chunk_inverse
@@ -420,13 +421,14 @@ def compare_chunk_grads(rep_ms: int):
         do = torch.randn(v.shape, generator=gen, device="cuda").to(torch.bfloat16)
         args = (q, k, v, gamma, beta, chunk_inverse(k, beta, cu, index), states, state_grads, do, 128 ** -0.5, cu,
                 index)
-        kernel, candidate = chunk_gradients(*args), chunk_gradients(*args, two_chains=True)
+        two_chains = compile_chunk_grads_two_chains()
+        kernel, candidate = chunk_gradients(*args), chunk_gradients(*args, kernel=two_chains)
         for label, a, b, bound in zip(("dq", "dk", "dv", "dg", "dbeta"), kernel, candidate, (1e-3,) * 3 + (1e-4,) * 2):
             error = float(relative_error(b, a))
             if not error <= bound:  # also catches NaN
                 raise AssertionError(f"chunk grads {name}: the candidate's {label} is {error:.2e} from the kernel's")
         yield name, {"kernel": _median_ms(lambda: chunk_gradients(*args), rep_ms),
-                     "two chains": _median_ms(lambda: chunk_gradients(*args, two_chains=True), rep_ms)}
+                     "two chains": _median_ms(lambda: chunk_gradients(*args, kernel=two_chains), rep_ms)}
 
 
 COMPARISONS = {"keep_forward": compare_keep_forward, "conv": compare_conv, "inverse": compare_inverse,

@@ -19,7 +19,8 @@ Loads as in the lockstep kernel: group B (v, S0, dS1) of the next task is issued
 have read it for the last time (b_free), group A after the task.
 
 Not yet run on a GPU: reached only through `python -m flashqla.bench --compare chunk_grads` and
-tests/flashqla/test_hopper_chunk_grads_two_chains.py.
+tests/flashqla/test_hopper_chunk_grads_two_chains.py, which pass it to
+`backward_chunk_grads.chunk_gradients(..., kernel=compile_chunk_grads_two_chains())`.
 """
 
 import functools

@@ -113,13 +113,14 @@ def _per_slice_worst(a, b, cu_seqlens):
 @pytest.mark.parametrize("heads", [(16, 64), (2, 8), (16, 16)], ids=["16_64", "2_8", "16_16"])
 def test_two_chains_give_the_kernels_gradients(heads, lengths, num_workers):
     from flashqla.hopper.backward_chunk_grads import chunk_gradients
+    from flashqla.hopper.backward_chunk_grads_two_chains import compile_chunk_grads_two_chains
     from flashqla.testing import relative_error
 
     if num_workers == 1 and lengths != RAGGED:
         pytest.skip("one CTA over 8192 tokens takes long; the ragged batch walks every refill already")
     args = kernel_inputs(lengths, *heads)
     verified = run_kernel(chunk_gradients, args)
-    candidate = run_kernel(chunk_gradients, args, two_chains=True, num_workers=num_workers)
+    candidate = run_kernel(chunk_gradients, args, kernel=compile_chunk_grads_two_chains(), num_workers=num_workers)
     report = []
     for name, a, b in zip(OUTPUT_NAMES, verified, candidate):
         assert not b.isnan().any(), f"{name}: NaN (an unwritten row?)"
@@ -134,9 +135,10 @@ def test_two_chains_give_the_kernels_gradients(heads, lengths, num_workers):
 @requires_hopper
 def test_two_chains_are_deterministic():
     from flashqla.hopper.backward_chunk_grads import chunk_gradients
+    from flashqla.hopper.backward_chunk_grads_two_chains import compile_chunk_grads_two_chains
 
     args = kernel_inputs(RAGGED, 16, 64)
-    first = run_kernel(chunk_gradients, args, two_chains=True)
-    second = run_kernel(chunk_gradients, args, two_chains=True)
+    first = run_kernel(chunk_gradients, args, kernel=compile_chunk_grads_two_chains())
+    second = run_kernel(chunk_gradients, args, kernel=compile_chunk_grads_two_chains())
     for name, a, b in zip(OUTPUT_NAMES, first, second):
         assert torch.equal(a, b), name
