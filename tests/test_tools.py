@@ -1,0 +1,33 @@
+"""The device tools that run without a GPU: tools/ncu_top_stalls.py on a made-up Nsight Compute source page."""
+import subprocess
+import sys
+from pathlib import Path
+
+TOOLS = Path(__file__).resolve().parents[1] / "tools"
+
+PAGE = """==PROF== Connected to process 1
+"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)","Instructions Executed"
+"0x10","@P0 BAR.SYNC.DEFER_BLOCKING 0x0","120","100","1,000"
+"0x20","HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ","30","20","500"
+"0x30","FFMA R1, R2, R3, R4","50","10","8,000"
+"0x40","FFMA R5, R6, R7, R8","0","0","8,000"
+"""
+
+
+def test_ncu_top_stalls_ranks_instructions_and_opcodes(tmp_path):
+    page = tmp_path / "page.csv"
+    page.write_text(PAGE)
+    out = subprocess.run([sys.executable, str(TOOLS / "ncu_top_stalls.py"), str(page), "--top", "2"],
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out[0] == "4 SASS instructions, 200 stall samples"
+    assert out[1].split()[:3] == ["60.0%", "120", "0x10"] and "BAR.SYNC" in out[1]   # the predicate guard kept
+    assert out[2].split()[:3] == ["25.0%", "50", "0x30"]
+    assert len(out) == 4   # --top 2, then the opcode line
+    assert out[3] == "by opcode: BAR 60.0%, FFMA 25.0%, HGMMA 15.0%"
+
+
+def test_ncu_top_stalls_refuses_a_page_without_stall_samples(tmp_path):
+    page = tmp_path / "page.csv"
+    page.write_text('"Address","Source"\n"0x10","FFMA R1, R2, R3, R4"\n')
+    run = subprocess.run([sys.executable, str(TOOLS / "ncu_top_stalls.py"), str(page)], capture_output=True, text=True)
+    assert run.returncode != 0 and "stall-sampling" in run.stderr
