@@ -402,33 +402,22 @@ def compare_chunk_grads(rep_ms: int):
     kernel's, or dg, dbeta more than 1e-4."""
     from flashqla.hopper.backward_chunk_grads import chunk_gradients
     from flashqla.hopper.backward_chunk_grads_two_chains import compile_chunk_grads_two_chains
-    from flashqla.hopper.chunk_plan import chunk_indices
-    from flashqla.hopper.cumsum import chunk_local_cumsum
-    from flashqla.hopper.inverse import chunk_inverse
-    from flashqla.testing import relative_error
+    from flashqla.testing import chunk_gradient_arguments, relative_error
 
+    two_chains = compile_chunk_grads_two_chains()
     for name, heads, seq_lens in INVERSE_SHAPES:
         x = make_inputs(heads, seq_lens)
-        cu = x["cu_seqlens"]
-        index = chunk_indices(cu)
-        total, num_v_heads = x["g"].shape[1], heads[1]
-        q, k, v = x["q"][0], x["k"][0], x["v"][0]
-        beta = x["beta"][0].float().contiguous()
-        gamma = chunk_local_cumsum(x["g"], cu, chunk_index=index).view(total, num_v_heads)
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        states, state_grads = (torch.randn(index.shape[0], num_v_heads, 128, 128, generator=gen, device="cuda")
-                               .to(torch.bfloat16) for _ in range(2))
-        do = torch.randn(v.shape, generator=gen, device="cuda").to(torch.bfloat16)
-        args = (q, k, v, gamma, beta, chunk_inverse(k, beta, cu, index), states, state_grads, do, 128 ** -0.5, cu,
-                index)
-        two_chains = compile_chunk_grads_two_chains()
-        kernel, candidate = chunk_gradients(*args), chunk_gradients(*args, kernel=two_chains)
+        do = torch.randn(x["v"].shape[1:], generator=torch.Generator(device="cuda").manual_seed(1),
+                         device="cuda").to(torch.bfloat16)
+        args = chunk_gradient_arguments(x["q"][0], x["k"][0], x["v"][0], x["g"][0], x["beta"][0], do,
+                                        x["cu_seqlens"])
+        kernel, candidate = chunk_gradients(**args), chunk_gradients(**args, kernel=two_chains)
         for label, a, b, bound in zip(("dq", "dk", "dv", "dg", "dbeta"), kernel, candidate, (1e-3,) * 3 + (1e-4,) * 2):
             error = float(relative_error(b, a))
             if not error <= bound:  # also catches NaN
                 raise AssertionError(f"chunk grads {name}: the candidate's {label} is {error:.2e} from the kernel's")
-        yield name, {"kernel": _median_ms(lambda: chunk_gradients(*args), rep_ms),
-                     "two chains": _median_ms(lambda: chunk_gradients(*args, kernel=two_chains), rep_ms)}
+        yield name, {"kernel": _median_ms(lambda: chunk_gradients(**args), rep_ms),
+                     "two chains": _median_ms(lambda: chunk_gradients(**args, kernel=two_chains), rep_ms)}
 
 
 COMPARISONS = {"keep_forward": compare_keep_forward, "conv": compare_conv, "inverse": compare_inverse,

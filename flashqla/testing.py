@@ -55,3 +55,25 @@ def random_inputs(
         bounds = torch.tensor([0, *seq_lens]).cumsum(0)
         out["cu_seqlens"] = bounds.to(device=device, dtype=torch.int32)
     return out
+
+
+def chunk_gradient_arguments(q, k, v, g, beta, do, cu_seqlens, seed: int = 0) -> dict:
+    """Keyword arguments of hopper.backward_chunk_grads.chunk_gradients for flattened op inputs (q, k
+    [T, Hqk, 128]; v, do [T, Hv, 128]; g, beta [T, Hv]), built by the stages backward.py runs (chunk
+    index, gamma, A~); the chunk states and state gradients are random (a generator seeded `seed` on
+    q's device), so that kernels compared on them see the same ones."""
+    from flashqla.hopper.chunk_plan import chunk_indices
+    from flashqla.hopper.cumsum import chunk_local_cumsum
+    from flashqla.hopper.inverse import chunk_inverse
+
+    num_tokens, num_v_heads = g.shape
+    chunk_index = chunk_indices(cu_seqlens)
+    beta = beta.float().contiguous()
+    gamma = chunk_local_cumsum(g.unsqueeze(0), cu_seqlens, chunk_index=chunk_index).view(num_tokens, num_v_heads)
+    gen = torch.Generator(device=q.device).manual_seed(seed)
+    states, state_grads = (torch.randn(chunk_index.shape[0], num_v_heads, 128, 128, generator=gen, device=q.device)
+                           .to(torch.bfloat16) for _ in range(2))
+    return dict(q=q, k=k, v=v, gamma=gamma.contiguous(), beta=beta,
+                inverse=chunk_inverse(k, beta, cu_seqlens, chunk_index), chunk_states=states,
+                chunk_state_grads=state_grads, do=do, scale=q.shape[-1] ** -0.5, cu_seqlens=cu_seqlens,
+                chunk_index=chunk_index)

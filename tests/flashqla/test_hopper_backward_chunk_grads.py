@@ -104,29 +104,17 @@ def assert_tma_buffers_alone(program, kernel_source, tma_buffers):
 
 
 def kernel_inputs(seq_lens, num_qk_heads, num_v_heads, seed=0):
-    """Inputs of the chunk-gradient kernel built by the same stages as backward.py (states and
-    state gradients random: the runs compared see the same ones)."""
-    from flashqla.hopper.chunk_plan import chunk_indices
-    from flashqla.hopper.cumsum import chunk_local_cumsum
-    from flashqla.hopper.inverse import chunk_inverse
+    """Inputs of the chunk-gradient kernel for the backward grid's op inputs (states and state
+    gradients random: the runs compared see the same ones)."""
+    from flashqla.testing import chunk_gradient_arguments
 
     inputs, do, _ = make_backward_inputs(seq_lens, num_qk_heads, num_v_heads, False, seed=seed)
     total = sum(seq_lens)
-    cu_seqlens = inputs["cu_seqlens"]
-    chunk_index = chunk_indices(cu_seqlens)
-    q = inputs["q"].view(total, num_qk_heads, 128)
-    k = inputs["k"].view(total, num_qk_heads, 128)
-    g = inputs["g"].view(total, num_v_heads)
-    beta = inputs["beta"].view(total, num_v_heads).contiguous()
-    gamma = chunk_local_cumsum(g.unsqueeze(0), cu_seqlens, chunk_index=chunk_index).view(total, num_v_heads)
-    inverse = chunk_inverse(k, beta, cu_seqlens, chunk_index)
-    gen = torch.Generator(device="cuda").manual_seed(seed + 1)
-    states = torch.randn(chunk_index.shape[0], num_v_heads, 128, 128, generator=gen, device="cuda")
-    state_grads = torch.randn(chunk_index.shape[0], num_v_heads, 128, 128, generator=gen, device="cuda")
-    return dict(q=q, k=k, v=inputs["v"].view(total, num_v_heads, 128), gamma=gamma.contiguous(), beta=beta,
-                inverse=inverse.view(total, num_v_heads, -1), chunk_states=states.to(torch.bfloat16),
-                chunk_state_grads=state_grads.to(torch.bfloat16), do=do.view(total, num_v_heads, 128),
-                scale=128 ** -0.5, cu_seqlens=cu_seqlens, chunk_index=chunk_index)
+    return chunk_gradient_arguments(
+        inputs["q"].view(total, num_qk_heads, 128), inputs["k"].view(total, num_qk_heads, 128),
+        inputs["v"].view(total, num_v_heads, 128), inputs["g"].view(total, num_v_heads),
+        inputs["beta"].view(total, num_v_heads), do.view(total, num_v_heads, 128), inputs["cu_seqlens"],
+        seed=seed + 1)
 
 
 def run_kernel(kernel, args, **options):

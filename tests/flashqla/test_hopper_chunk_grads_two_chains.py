@@ -17,7 +17,7 @@ import shutil
 import pytest
 import torch
 
-from hopper_grid import RAGGED, on_hopper
+from hopper_grid import RAGGED, on_hopper, sequence_head_errors
 from test_hopper_backward_chunk_grads import OUTPUT_NAMES, assert_tma_buffers_alone, kernel_inputs, run_kernel
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to compile the sm_90a kernels")
@@ -92,20 +92,6 @@ def test_hand_offs_go_from_chain_a_to_chain_b(source_lines):
         assert not [i for i in chain_a if f"{barrier}[0].wait(" in lines[i]], barrier
 
 
-def _per_slice_worst(a, b, cu_seqlens):
-    """The worst relative L2 over (sequence, head) slices of b against a (non-empty sequences)."""
-    from flashqla.testing import relative_error
-
-    bounds = cu_seqlens.tolist()
-    worst = 0.0
-    for start, end in zip(bounds, bounds[1:]):
-        if end > start:
-            for h in range(a.shape[1]):
-                if a[start:end, h].abs().max() > 0:
-                    worst = max(worst, relative_error(b[start:end, h], a[start:end, h]))
-    return worst
-
-
 @pytest.mark.gpu
 @requires_hopper
 @pytest.mark.parametrize("num_workers", [None, 1], ids=["per_sm", "1_cta"])
@@ -125,7 +111,7 @@ def test_two_chains_give_the_kernels_gradients(heads, lengths, num_workers):
     for name, a, b in zip(OUTPUT_NAMES, verified, candidate):
         assert not b.isnan().any(), f"{name}: NaN (an unwritten row?)"
         over_tensor = relative_error(b, a)
-        worst = _per_slice_worst(a, b, args["cu_seqlens"])
+        worst = sequence_head_errors(b[None], a[None], lengths).worst
         report.append(f"{name} {over_tensor:.2e} (worst slice {worst:.2e}, bitwise {torch.equal(a, b)})")
         assert over_tensor <= BOUNDS[name] and worst <= 10 * BOUNDS[name], "; ".join(report)
     print("; ".join(report))
