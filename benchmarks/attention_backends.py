@@ -4,9 +4,10 @@ forward and forward + backward, side by side in one process:
     python -m benchmarks.attention_backends [--size 0.8B] [--tokens 8192,32768,131072] [--docs 1,8]
 
 Backends: SDPA's cuDNN, FlashAttention and memory-efficient kernels for one document; for packed
-documents cuDNN's SDPA once per document against `varlen_attn` (FlashAttention over the pack); and
+documents cuDNN's SDPA once per document against `varlen_attn` (FlashAttention over the pack);
 FlexAttention (torch.compile'd, a causal or causal-per-document block mask built once per shape,
-outside the timing) for both.
+outside the timing) for both; and FlashAttention-4 (`flash-attn-4` from PyPI, CuTe DSL, with SM90
+kernels up to head dim 256) for both, where it imports.
 (cuDNN's ragged op, `aten._cudnn_attention_forward` with offsets, measured exact but 10-100x slower
 and failing at 131072 tokens on the H200: docs/performance.md, 2026-12-01 fifth session.) Prints per shape each backend's milliseconds and its ratio to cuDNN, and each
 output's largest difference from cuDNN's. Appends JSON lines to $OUT/attention.jsonl when OUT is set.
@@ -78,6 +79,26 @@ def _flex():
     return run
 
 
+def _fa4():
+    """FlashAttention-4's CuTe DSL kernels (`pip install flash-attn-4`), or None where it does not import."""
+    try:
+        from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+    except ImportError:
+        return None
+
+    def run(q, k, v, documents):
+        if documents is None:
+            out = flash_attn_func(q, k, v, causal=True)
+        else:
+            cu = documents.cu_seqlens
+            out = flash_attn_varlen_func(q[0], k[0], v[0], cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                         max_seqlen_q=documents.max_seqlen, max_seqlen_k=documents.max_seqlen,
+                                         causal=True)
+        out = out[0] if isinstance(out, tuple) else out
+        return out if documents is None else out.unsqueeze(0)
+    return run
+
+
 def _time(fn, backward: bool) -> float:
     import triton.testing
 
@@ -99,7 +120,7 @@ def main(argv=None) -> None:
     config = QwenHybridConfig.named(args.size)
     heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     out_path = os.path.join(os.environ["OUT"], "attention.jsonl") if os.environ.get("OUT") else None
-    flex = _flex()
+    flex, fa4 = _flex(), _fa4()
     for tokens in [int(t) for t in args.tokens.split(",")]:
         for docs in [int(d) for d in args.docs.split(",")]:
             gen = torch.Generator(device="cuda").manual_seed(0)
@@ -110,12 +131,16 @@ def main(argv=None) -> None:
             if docs == 1:
                 candidates = {name: _sdpa(name) for name in SDPA_BACKENDS}
                 candidates["flex"] = flex
+                if fa4 is not None:
+                    candidates["fa4"] = fa4
             else:
                 documents = DocumentLayout.build(torch.linspace(0, tokens, docs + 1).long(), "cuda")
                 candidates = {"cudnn_per_document": _cudnn_per_document}
                 if _varlen_attn is not None:
                     candidates["varlen"] = _varlen
                 candidates["flex"] = flex
+                if fa4 is not None:
+                    candidates["fa4"] = fa4
             results, reference = {}, None
             for name, run in candidates.items():
                 leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
