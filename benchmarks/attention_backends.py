@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from qwen_hybrid import QwenHybridConfig
-from qwen_hybrid.layers import DocumentLayout, _varlen_attn, _varlen_causal
+from qwen_hybrid.attention import causal_attention, fa4_unavailable_reason, varlen_attn_available, varlen_causal
+from qwen_hybrid.layers import DocumentLayout
 
 SDPA_BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
                  "efficient": SDPBackend.EFFICIENT_ATTENTION}
@@ -49,7 +50,7 @@ def _cudnn_per_document(q, k, v, documents):
 
 def _varlen(q, k, v, documents):
     cu = documents.cu_seqlens
-    return _varlen_causal(q[0], k[0], v[0], cu, documents.max_seqlen, q.shape[-1] ** -0.5).unsqueeze(0)
+    return varlen_causal(q[0], k[0], v[0], cu, documents.max_seqlen, q.shape[-1] ** -0.5).unsqueeze(0)
 
 
 def _flex():
@@ -79,24 +80,8 @@ def _flex():
     return run
 
 
-def _fa4():
-    """FlashAttention-4's CuTe DSL kernels (`pip install flash-attn-4`), or None where it does not import."""
-    try:
-        from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
-    except ImportError:
-        return None
-
-    def run(q, k, v, documents):
-        if documents is None:
-            out = flash_attn_func(q, k, v, causal=True)
-        else:
-            cu = documents.cu_seqlens
-            out = flash_attn_varlen_func(q[0], k[0], v[0], cu_seqlens_q=cu, cu_seqlens_k=cu,
-                                         max_seqlen_q=documents.max_seqlen, max_seqlen_k=documents.max_seqlen,
-                                         causal=True)
-        out = out[0] if isinstance(out, tuple) else out
-        return out if documents is None else out.unsqueeze(0)
-    return run
+def _fa4(q, k, v, documents):
+    return causal_attention(q, k, v, documents, backend="fa4")
 
 
 def _time(fn, backward: bool) -> float:
@@ -120,7 +105,8 @@ def main(argv=None) -> None:
     config = QwenHybridConfig.named(args.size)
     heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     out_path = os.path.join(os.environ["OUT"], "attention.jsonl") if os.environ.get("OUT") else None
-    flex, fa4 = _flex(), _fa4()
+    flex = _flex()
+    with_fa4 = fa4_unavailable_reason(torch.device("cuda"), torch.bfloat16, dim) is None
     for tokens in [int(t) for t in args.tokens.split(",")]:
         for docs in [int(d) for d in args.docs.split(",")]:
             gen = torch.Generator(device="cuda").manual_seed(0)
@@ -131,16 +117,16 @@ def main(argv=None) -> None:
             if docs == 1:
                 candidates = {name: _sdpa(name) for name in SDPA_BACKENDS}
                 candidates["flex"] = flex
-                if fa4 is not None:
-                    candidates["fa4"] = fa4
+                if with_fa4:
+                    candidates["fa4"] = _fa4
             else:
                 documents = DocumentLayout.build(torch.linspace(0, tokens, docs + 1).long(), "cuda")
                 candidates = {"cudnn_per_document": _cudnn_per_document}
-                if _varlen_attn is not None:
+                if varlen_attn_available():
                     candidates["varlen"] = _varlen
                 candidates["flex"] = flex
-                if fa4 is not None:
-                    candidates["fa4"] = fa4
+                if with_fa4:
+                    candidates["fa4"] = _fa4
             results, reference = {}, None
             for name, run in candidates.items():
                 leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]

@@ -5,11 +5,14 @@ import dataclasses
 from typing import Any
 
 from flashqla.api import KEEP_FOR_BACKWARD as GDN_KEEP_FOR_BACKWARD, is_keep_for_backward
+from qwen_hybrid.attention import ATTENTION_BACKENDS
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 GDN_BACKENDS = ("auto", "tilelang", "torch", "fla")
 CONV_BACKENDS = ("auto", "tilelang", "torch")  # flashqla.conv
 QWEN3_5_VOCAB_SIZE = 248320
+# fields that choose implementations, not architecture: never read from an HF config.json
+IMPLEMENTATION_FIELDS = ("gdn_backend", "conv_backend", "attention_backend", "gdn_keep_for_backward")
 
 
 @dataclasses.dataclass
@@ -45,9 +48,11 @@ class QwenHybridConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
-    # ours, not HF's: which implementations the GDN layers call for the gated delta rule and the conv
+    # ours, not HF's: which implementations the GDN layers call for the gated delta rule and the conv,
+    # and the attention layers for softmax attention (qwen_hybrid.attention)
     gdn_backend: str = "auto"
     conv_backend: str = "auto"
+    attention_backend: str = "auto"
     gdn_keep_for_backward: bool | str = "products"  # flashqla.chunk_gated_delta_rule's keep_for_backward (configs/model/*.yaml say why)
 
     def __post_init__(self) -> None:
@@ -103,6 +108,8 @@ class QwenHybridConfig:
             raise ValueError(f"gdn_backend must be one of {GDN_BACKENDS}, got {self.gdn_backend!r}")
         if self.conv_backend not in CONV_BACKENDS:
             raise ValueError(f"conv_backend must be one of {CONV_BACKENDS}, got {self.conv_backend!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if not is_keep_for_backward(self.gdn_keep_for_backward):
             raise ValueError(f"gdn_keep_for_backward must be one of {GDN_KEEP_FOR_BACKWARD}, "
                              f"got {self.gdn_keep_for_backward!r}")
@@ -149,7 +156,7 @@ class QwenHybridConfig:
             raise ValueError(f"rope_parameters.rope_type must be 'default', got {rope_type!r} (rope scaling unsupported)")
         values: dict[str, Any] = {}
         for field in dataclasses.fields(cls):
-            if field.name in text and field.name not in ("rope_theta", "partial_rotary_factor", "gdn_backend", "conv_backend", "gdn_keep_for_backward"):
+            if field.name in text and field.name not in ("rope_theta", "partial_rotary_factor", *IMPLEMENTATION_FIELDS):
                 values[field.name] = text[field.name]
         values["rope_theta"] = float(rope.get("rope_theta", text.get("rope_theta", 10_000_000.0)))
         values["partial_rotary_factor"] = float(

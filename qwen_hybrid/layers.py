@@ -21,7 +21,6 @@ Norms, the conv, RoPE and the decay gates compute in float32, or in float64 for 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 import flashqla
 from flashqla.conv import causal_conv1d_silu, causal_conv1d_silu_torch, kernel_unavailable_reason
+from qwen_hybrid.attention import causal_attention
 from qwen_hybrid.config import QwenHybridConfig
 
 
@@ -303,60 +303,16 @@ class GatedDeltaNet(nn.Module):
 
 
 class AttentionCore(nn.Module):
-    """Parameter-free causal softmax attention with GQA and per-document masking (a hook point).
+    """Parameter-free causal softmax attention with GQA and per-document masking (a hook point for
+    timing): q [B, T, H, D]; k, v [B, T, Hkv, D] -> [B, T, H, D]. `backend` is the config's
+    attention_backend; qwen_hybrid.attention picks the kernel per call."""
 
-    q: [B, T, H, D]; k, v: [B, T, Hkv, D]; returns [B, T, H, D]. With `cu_seqlens` (B = 1) each
-    document attends only to itself: on CUDA through `varlen_attn` (FlashAttention) when torch
-    has it, otherwise one SDPA call per document. A pack that is one document (max_seqlen = T)
-    takes SDPA: on the H200 at 131072 tokens its cuDNN kernels ran the forward 2.2x and the backward
-    1.5x faster than varlen_attn.
-    """
+    def __init__(self, backend: str = "auto"):
+        super().__init__()
+        self.backend = backend
 
     def forward(self, q, k, v, documents: DocumentLayout | None = None) -> torch.Tensor:
-        scale = q.shape[-1] ** -0.5
-        if documents is None or documents.max_seqlen == q.shape[1]:
-            return _sdpa(q, k, v, scale)
-        if q.is_cuda and _varlen_attn is not None and q.dtype in (torch.float16, torch.bfloat16):
-            return _varlen_causal(q[0], k[0], v[0], documents.cu_seqlens, documents.max_seqlen, scale).unsqueeze(0)
-        bounds = documents.cu_seqlens_cpu.tolist()
-        outs = [
-            _sdpa(q[:, start:end], k[:, start:end], v[:, start:end], scale)
-            for start, end in zip(bounds[:-1], bounds[1:])
-            if end > start
-        ]
-        return torch.cat(outs, dim=1)
-
-
-try:
-    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
-
-    _VARLEN_PARAMETERS = inspect.signature(_varlen_attn).parameters
-except ImportError:
-    _varlen_attn, _VARLEN_PARAMETERS = None, {}
-
-
-def _varlen_causal(q, k, v, cu_seqlens, max_seqlen, scale) -> torch.Tensor:
-    """Causal varlen FlashAttention on [T, H, D]; the keyword for causality and GQA support
-    differ between torch releases."""
-    if k.shape[1] != q.shape[1] and "enable_gqa" not in _VARLEN_PARAMETERS:
-        groups = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    kwargs = {"scale": scale}
-    if "enable_gqa" in _VARLEN_PARAMETERS:
-        kwargs["enable_gqa"] = k.shape[1] != q.shape[1]
-    if "window_size" in _VARLEN_PARAMETERS:
-        kwargs["window_size"] = (-1, 0)
-    else:
-        kwargs["is_causal"] = True
-    return _varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs)
-
-
-def _sdpa(q, k, v, scale) -> torch.Tensor:
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale,
-        enable_gqa=q.shape[2] != k.shape[2],
-    )
-    return out.transpose(1, 2)
+        return causal_attention(q, k, v, documents, self.backend)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -380,7 +336,8 @@ class GatedAttention(nn.Module):
     """Qwen3.5's full-attention block: q projection carries a per-head output gate, zero-centred
     RMSNorm on q and k per head, partial RoPE, grouped KV heads, causal attention, sigmoid gate."""
 
-    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, eps: float = 1e-6):
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, eps: float = 1e-6,
+                 attention_backend: str = "auto"):
         super().__init__()
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
@@ -392,7 +349,7 @@ class GatedAttention(nn.Module):
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
         self.q_norm = RMSNorm(head_dim, eps=eps)
         self.k_norm = RMSNorm(head_dim, eps=eps)
-        self.attention = AttentionCore()
+        self.attention = AttentionCore(attention_backend)
         self.head_exchange = None  # context parallelism (module docstring)
         # set by set_activation_checkpointing(recompute_attention=False): recompute the projections
         # and the output in the backward but keep the attention kernel's inputs and outputs
@@ -490,7 +447,7 @@ class DecoderLayer(nn.Module):
         else:
             self.self_attn = GatedAttention(
                 config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
-                eps=config.rms_norm_eps,
+                eps=config.rms_norm_eps, attention_backend=config.attention_backend,
             )
         self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)

@@ -9,6 +9,7 @@ import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from flashqla.api import is_keep_for_backward
+from qwen_hybrid.attention import ATTENTION_BACKENDS, fa4_unavailable_reason
 from qwen_hybrid.config import CONV_BACKENDS, GDN_BACKENDS, GDN_KEEP_FOR_BACKWARD, NAMED_SIZES
 
 PRECISIONS = ("bf16", "fp32")
@@ -54,6 +55,7 @@ def validate_config(cfg: DictConfig) -> None:
     _choice("model.name", model.name, NAMED_SIZES)
     _choice("model.gdn_backend", model.gdn_backend, GDN_BACKENDS)
     _choice("model.conv_backend", model.conv_backend, CONV_BACKENDS)
+    _choice("model.attention_backend", model.attention_backend, ATTENTION_BACKENDS)
     if not is_keep_for_backward(model.gdn_keep_for_backward):
         raise ConfigError(f"model.gdn_keep_for_backward={model.gdn_keep_for_backward!r}: expected one of "
                           f"{list(GDN_KEEP_FOR_BACKWARD)} (true, products or false)")
@@ -179,7 +181,7 @@ def gdn_backends(cfg: DictConfig) -> list[tuple[str, str]]:
 
 
 def check_environment(cfg: DictConfig) -> None:
-    """What this machine must offer for the config: the GDN and conv backends it names."""
+    """What this machine must offer for the config: the GDN, conv and attention backends it names."""
     from flashqla.backends import backend_unavailable_reason
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -190,6 +192,10 @@ def check_environment(cfg: DictConfig) -> None:
         reason = backend_unavailable_reason(backend, device)
         if reason is not None:
             raise ConfigError(f"{key}={backend!r}: {reason} ({choice}=auto picks what runs here)")
+    if cfg.model.attention_backend == "fa4":
+        reason = fa4_unavailable_reason(device)
+        if reason is not None:
+            raise ConfigError(f"model.attention_backend='fa4': {reason} (model.attention_backend=auto picks what runs here)")
 
 
 def check_parallel_layout(cfg: DictConfig, world_size: int) -> None:

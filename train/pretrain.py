@@ -207,6 +207,7 @@ def _dataset_size(cfg: DictConfig) -> tuple[int, int]:
 def config_overrides(cfg: DictConfig) -> dict:
     """What model.* sets over the named size or the checkpoint's config.json."""
     overrides = {"gdn_backend": cfg.model.gdn_backend, "conv_backend": cfg.model.conv_backend,
+                 "attention_backend": cfg.model.attention_backend,
                  "gdn_keep_for_backward": cfg.model.gdn_keep_for_backward}
     if cfg.model.vocab_size is not None:
         overrides["vocab_size"] = cfg.model.vocab_size

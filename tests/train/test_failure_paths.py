@@ -29,6 +29,7 @@ def _compose(*overrides: str):
     ("model.gdn_backend=tilelang", "model.gdn_backend='tilelang': backend 'tilelang' needs a CUDA GPU"),
     ("benchmark.compare_backends=[torch,fla]", "benchmark.compare_backends[1]='fla': backend 'fla' needs a CUDA GPU"),
     ("model.conv_backend=tilelang", "model.conv_backend='tilelang': backend 'tilelang' needs a CUDA GPU"),
+    ("model.attention_backend=fa4", "model.attention_backend='fa4': FlashAttention-4 runs on CUDA devices, got cpu"),
 ])
 def test_backend_this_machine_cannot_run_is_a_config_error(override, key):
     with pytest.raises(ConfigError) as error:

@@ -1,0 +1,95 @@
+"""qwen_hybrid.attention: each backend against float64 attention computed document by document, the
+choice `auto` makes, and the errors for a backend that cannot run."""
+import pytest
+import torch
+
+from qwen_hybrid.attention import causal_attention, fa4_unavailable_reason
+from qwen_hybrid.config import QwenHybridConfig
+from qwen_hybrid.layers import DocumentLayout
+
+# the 0.8B model's attention heads; documents of 1 and 0 tokens and lengths off the 64/128 tiles
+HEADS, KV_HEADS, HEAD_DIM = 8, 2, 256
+RAGGED = [1, 700, 0, 64, 2047, 129, 1500]
+
+
+def reference(q, k, v, bounds) -> torch.Tensor:
+    """float64 causal softmax attention of each document [start, end) alone, GQA by repeating k, v."""
+    q, k, v = (t[0].double() for t in (q, k, v))
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    out = torch.zeros_like(q)
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end == start:
+            continue
+        scores = torch.einsum("thd,shd->hts", q[start:end], k[start:end]) * q.shape[-1] ** -0.5
+        scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
+        out[start:end] = torch.einsum("hts,shd->thd", scores.softmax(-1), v[start:end])
+    return out.unsqueeze(0)
+
+
+def inputs(lengths, device, dtype, seed=0):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    tokens = sum(lengths)
+    q = torch.randn(1, tokens, HEADS, HEAD_DIM, device=device, dtype=dtype, generator=gen)
+    k = torch.randn(1, tokens, KV_HEADS, HEAD_DIM, device=device, dtype=dtype, generator=gen)
+    v = torch.randn(1, tokens, KV_HEADS, HEAD_DIM, device=device, dtype=dtype, generator=gen)
+    bounds = torch.tensor([0, *lengths]).cumsum(0)
+    return q, k, v, DocumentLayout.build(bounds, device), bounds.tolist()
+
+
+def worst_error_per_document(got, want, bounds) -> list[float]:
+    """Largest |got - want| of each non-empty document over its heads and dims, relative to the
+    document's largest |want| (NaN counts as inf)."""
+    diff = (got.double() - want).abs().nan_to_num(nan=float("inf"))[0]
+    return [(diff[start:end].max() / want[0, start:end].abs().max().clamp_min(1e-30)).item()
+            for start, end in zip(bounds[:-1], bounds[1:]) if end > start]
+
+
+def test_cpu_packs_match_float64_attention_per_document():
+    q, k, v, documents, bounds = inputs([5, 1, 0, 17, 9], "cpu", torch.float64)
+    got = causal_attention(q, k, v, documents, backend="auto")
+    assert max(worst_error_per_document(got, reference(q, k, v, bounds), bounds)) < 1e-12
+    # one document: the dense path
+    q, k, v, documents, bounds = inputs([23], "cpu", torch.float64)
+    got = causal_attention(q, k, v, documents, backend="sdpa")
+    assert max(worst_error_per_document(got, reference(q, k, v, bounds), bounds)) < 1e-12
+
+
+def test_fa4_refuses_what_it_cannot_run():
+    q, k, v, documents, _ = inputs([4, 4], "cpu", torch.float32)
+    with pytest.raises(ValueError, match="attention_backend='fa4': FlashAttention-4 runs on CUDA devices, got cpu"):
+        causal_attention(q, k, v, documents, backend="fa4")
+    with pytest.raises(ValueError, match="attention backend must be one of .*got 'flash'"):
+        causal_attention(q, k, v, documents, backend="flash")
+    assert "bfloat16 or float16" in fa4_unavailable_reason(torch.device("cuda"), torch.float32)
+    assert "head dims 8-256" in fa4_unavailable_reason(torch.device("cuda"), torch.bfloat16, 320)
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        QwenHybridConfig.named("tiny", attention_backend="fa3")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths", [RAGGED, [4096]], ids=["ragged", "one_document"])
+def test_fa4_matches_float64_attention_and_its_gradients(lengths):
+    """FlashAttention-4's output and q/k/v gradients against float64 autograd, document by document;
+    no worse than 1.5x the error of the sdpa backend (cuDNN, varlen_attn) on the same inputs."""
+    reason = fa4_unavailable_reason(torch.device("cuda"), torch.bfloat16, HEAD_DIM)
+    if reason is not None:
+        pytest.skip(reason)
+    q, k, v, documents, bounds = inputs(lengths, "cuda", torch.bfloat16, seed=1)
+    grad_out = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=torch.Generator("cuda").manual_seed(2))
+    leaves64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want = reference(*leaves64, bounds)
+    want.backward(grad_out.double())
+    errors = {}
+    for backend in ("fa4", "sdpa"):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = causal_attention(*leaves, documents, backend=backend)
+        out.backward(grad_out)
+        errors[backend] = {"out": worst_error_per_document(out, want.detach(), bounds)}
+        for name, leaf, leaf64 in zip("qkv", leaves, leaves64):
+            errors[backend][f"d{name}"] = worst_error_per_document(leaf.grad, leaf64.grad, bounds)
+    for name, per_document in errors["fa4"].items():
+        worst, sdpa_worst = max(per_document), max(errors["sdpa"][name])
+        print(f"{name}: fa4 worst {worst:.3e} (per document {[f'{e:.1e}' for e in per_document]}), sdpa {sdpa_worst:.3e}")
+        assert worst < 2e-2, f"{name}: fa4's worst error {worst:.3e} per document {per_document}"
+        assert worst <= 1.5 * sdpa_worst + 1e-3, f"{name}: fa4 {worst:.3e} against sdpa {sdpa_worst:.3e}"
