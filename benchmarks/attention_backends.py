@@ -1,13 +1,14 @@
 """The model's attention (head dim 256, GQA, causal) through each attention kernel torch offers,
 forward and forward + backward, side by side in one process:
 
-    python -m benchmarks.attention_backends [--size 0.8B] [--tokens 8192,32768,131072] [--docs 1,8]
+    python -m benchmarks.attention_backends [--size 0.8B] [--tokens 8192,32768,131072] [--docs 1,8] [--backends a,b]
 
 Backends: SDPA's cuDNN, FlashAttention and memory-efficient kernels for one document; for packed
 documents cuDNN's SDPA once per document against `varlen_attn` (FlashAttention over the pack);
 FlexAttention (torch.compile'd, a causal or causal-per-document block mask built once per shape,
 outside the timing) for both; and FlashAttention-4 (`flash-attn-4` from PyPI, CuTe DSL, with SM90
-kernels up to head dim 256) for both, where it imports.
+kernels up to head dim 256) for both, where it imports, and for one document its forward with
+cuDNN's backward (`qwen_hybrid.attention.FA4ForwardCudnnBackward`, a candidate).
 (cuDNN's ragged op, `aten._cudnn_attention_forward` with offsets, measured exact but 10-100x slower
 and failing at 131072 tokens on the H200: docs/performance.md, 2026-12-01 fifth session.) Prints per shape each backend's milliseconds and its ratio to cuDNN, and each
 output's largest difference from cuDNN's. Appends JSON lines to $OUT/attention.jsonl when OUT is set.
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from qwen_hybrid import QwenHybridConfig
-from qwen_hybrid.attention import causal_attention, fa4_unavailable_reason, varlen_attn_available, varlen_causal
+from qwen_hybrid.attention import FA4ForwardCudnnBackward, causal_attention, fa4_unavailable_reason, varlen_attn_available, varlen_causal
 from qwen_hybrid.layers import DocumentLayout
 
 SDPA_BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
@@ -84,6 +85,12 @@ def _fa4(q, k, v, documents):
     return causal_attention(q, k, v, documents, backend="fa4")
 
 
+def _fa4_cudnn(q, k, v, documents):
+    if documents is not None:
+        raise NotImplementedError("one document per call")
+    return FA4ForwardCudnnBackward.apply(q, k, v)
+
+
 def _time(fn, backward: bool) -> float:
     import triton.testing
 
@@ -101,6 +108,7 @@ def main(argv=None) -> None:
     parser.add_argument("--size", default="0.8B")
     parser.add_argument("--tokens", default="8192,32768,131072")
     parser.add_argument("--docs", default="1,8", help="equal documents per packed sequence")
+    parser.add_argument("--backends", default="", help="comma-separated backends to run (default: all)")
     args = parser.parse_args(argv)
     config = QwenHybridConfig.named(args.size)
     heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
@@ -119,6 +127,7 @@ def main(argv=None) -> None:
                 candidates["flex"] = flex
                 if with_fa4:
                     candidates["fa4"] = _fa4
+                    candidates["fa4_fwd_cudnn_bwd"] = _fa4_cudnn
             else:
                 documents = DocumentLayout.build(torch.linspace(0, tokens, docs + 1).long(), "cuda")
                 candidates = {"cudnn_per_document": _cudnn_per_document}
@@ -127,6 +136,8 @@ def main(argv=None) -> None:
                 candidates["flex"] = flex
                 if with_fa4:
                     candidates["fa4"] = _fa4
+            if args.backends:
+                candidates = {name: run for name, run in candidates.items() if name in args.backends.split(",")}
             results, reference = {}, None
             for name, run in candidates.items():
                 leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]

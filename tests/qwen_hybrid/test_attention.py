@@ -3,7 +3,7 @@ choice `auto` makes, and the errors for a backend that cannot run."""
 import pytest
 import torch
 
-from qwen_hybrid.attention import causal_attention, fa4_unavailable_reason
+from qwen_hybrid.attention import FA4ForwardCudnnBackward, causal_attention, fa4_unavailable_reason
 from qwen_hybrid.config import QwenHybridConfig
 from qwen_hybrid.layers import DocumentLayout
 
@@ -93,3 +93,29 @@ def test_fa4_matches_float64_attention_and_its_gradients(lengths):
         print(f"{name}: fa4 worst {worst:.3e} (per document {[f'{e:.1e}' for e in per_document]}), sdpa {sdpa_worst:.3e}")
         assert worst < 2e-2, f"{name}: fa4's worst error {worst:.3e} per document {per_document}"
         assert worst <= 1.5 * sdpa_worst + 1e-3, f"{name}: fa4 {worst:.3e} against sdpa {sdpa_worst:.3e}"
+
+
+@pytest.mark.gpu
+def test_fa4_forward_with_cudnn_backward_matches_float64_attention():
+    """The candidate for one document: FA4's forward, cuDNN's backward from FA4's log-sum-exp.
+    Against float64 autograd, no worse than 1.5x the sdpa backend's error."""
+    reason = fa4_unavailable_reason(torch.device("cuda"), torch.bfloat16, HEAD_DIM)
+    if reason is not None:
+        pytest.skip(reason)
+    q, k, v, documents, bounds = inputs([3000], "cuda", torch.bfloat16, seed=3)
+    grad_out = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=torch.Generator("cuda").manual_seed(4))
+    leaves64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want = reference(*leaves64, bounds)
+    want.backward(grad_out.double())
+    errors = {}
+    for name, run in (("candidate", FA4ForwardCudnnBackward.apply), ("sdpa", lambda *t: causal_attention(*t, None, "sdpa"))):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = run(*leaves)
+        out.backward(grad_out)
+        errors[name] = {"out": worst_error_per_document(out, want.detach(), bounds)[0]}
+        for label, leaf, leaf64 in zip("qkv", leaves, leaves64):
+            errors[name][f"d{label}"] = worst_error_per_document(leaf.grad, leaf64.grad, bounds)[0]
+    print(errors)
+    for label, error in errors["candidate"].items():
+        assert error < 2e-2, f"{label}: the candidate's error {error:.3e}"
+        assert error <= 1.5 * errors["sdpa"][label] + 1e-3, f"{label}: candidate {error:.3e}, sdpa {errors['sdpa'][label]:.3e}"
