@@ -291,7 +291,10 @@ def main(argv=None) -> None:
         if "model" in sets:  # flashqla.bench --model
             from flashqla.bench import MODEL_SHAPES
 
-            compile_flashqla(MODEL_SHAPES, like_the_model=True)
+            try:
+                compile_flashqla(MODEL_SHAPES, like_the_model=True)
+            except AssertionError as error:  # its L2 norm is a torch.compile'd kernel, which needs CUDA
+                print(f"flashqla as the model calls it: not compiled here ({error}); the device compiles it")
     if args.out:
         out = Path(args.out).resolve()
         # setup.sh unpacks the tarball into /tmp and expects the folder tlcache. cuda-binaries (nvcc
