@@ -8,7 +8,8 @@ documents cuDNN's SDPA once per document against `varlen_attn` (FlashAttention o
 FlexAttention (torch.compile'd, a causal or causal-per-document block mask built once per shape,
 outside the timing) for both; and FlashAttention-4 (`flash-attn-4` from PyPI, CuTe DSL, with SM90
 kernels up to head dim 256) for both, where it imports, and for one document its forward with
-cuDNN's backward (`qwen_hybrid.attention.FA4ForwardCudnnBackward`, a candidate).
+cuDNN's backward (`qwen_hybrid.attention.FA4ForwardCudnnBackward`, what `auto` runs over one
+long document).
 (cuDNN's ragged op, `aten._cudnn_attention_forward` with offsets, measured exact but 10-100x slower
 and failing at 131072 tokens on the H200: docs/performance.md, 2026-12-01 fifth session.) Prints per shape each backend's milliseconds and its ratio to cuDNN, and each
 output's largest difference from cuDNN's. Appends JSON lines to $OUT/attention.jsonl when OUT is set.

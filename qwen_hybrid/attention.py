@@ -6,11 +6,13 @@ Backends (the config's `attention_backend`):
   (FlashAttention-2) for a pack of several documents on CUDA, else one SDPA call per document.
 - "fa4": FlashAttention-4 (`pip install flash-attn-4`: CuTe DSL kernels for Hopper and Blackwell),
   dense for one document, varlen for a pack.
-- "auto": fa4 for packs of several documents where it runs, sdpa for the rest. On the H200, with the
-  0.8B model's heads (8 query, 2 KV, d = 256), FA4 over packs of 8 documents ran forward and backward
-  together 1.12-1.62x faster than varlen_attn (1.06-1.47x than the better of varlen_attn and cuDNN
-  per document); over one document its forward is 1.2-1.4x cuDNN's but its backward 0.86-0.97x, the
-  sum within 7 % either way, so one document stays on cuDNN (docs/performance.md, eleventh session).
+- "auto": fa4 for packs of several documents where it runs; for one document of at least
+  FA4_FORWARD_MIN_TOKENS tokens FA4's forward with cuDNN's backward (FA4ForwardCudnnBackward); sdpa
+  for the rest. On the H200, with the 0.8B model's heads (8 query, 2 KV, d = 256): over packs of 8
+  documents FA4 ran forward + backward 1.12-1.62x faster than varlen_attn; over one document FA4's
+  forward is 1.13-1.39x cuDNN's and its backward 0.86-0.97x, and FA4's forward with cuDNN's backward
+  ran 1.05x faster than cuDNN alone at 131072 tokens, 0.97x at 32768 (docs/performance.md, eleventh
+  session).
 """
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ ATTENTION_BACKENDS = ("auto", "sdpa", "fa4")
 # compute capabilities (major) FlashAttention-4 has forward and backward kernels for
 FA4_ARCHS = (9, 10, 11)
 FA4_DTYPES = (torch.bfloat16, torch.float16)
+# one document at least this long: FA4's forward, cuDNN's backward (measured faster at 131072, slower at 32768)
+FA4_FORWARD_MIN_TOKENS = 131072
 
 try:
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn
@@ -67,9 +71,12 @@ def causal_attention(q, k, v, documents=None, backend: str = "auto") -> torch.Te
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
     packed = documents is not None and documents.max_seqlen != q.shape[1]
-    if backend == "fa4" or (backend == "auto" and packed):
+    long_document = not packed and q.shape[1] >= FA4_FORWARD_MIN_TOKENS
+    if backend == "fa4" or (backend == "auto" and (packed or long_document)):
         reason = fa4_unavailable_reason(q.device, q.dtype, q.shape[-1])
         if reason is None:
+            if backend == "auto" and long_document:
+                return FA4ForwardCudnnBackward.apply(q, k, v)
             return _fa4(q, k, v, documents if packed else None)
         if backend == "fa4":
             raise ValueError(f"attention_backend='fa4': {reason} (attention_backend=auto picks what runs here)")
@@ -88,9 +95,9 @@ def _fa4(q, k, v, documents) -> torch.Tensor:
 
 
 class FA4ForwardCudnnBackward(torch.autograd.Function):
-    """Candidate for one document (not reachable from `causal_attention` until the H200 has run its
-    test): FlashAttention-4's forward (1.17-1.38x cuDNN's at head dim 256) with cuDNN's backward
-    (1.03-1.17x FA4's), handing FA4's log-sum-exp to cuDNN. q [B, T, H, D]; k, v [B, T, Hkv, D]."""
+    """One document: FlashAttention-4's forward (1.13-1.39x cuDNN's at head dim 256) with cuDNN's
+    backward (1.03-1.17x FA4's), handing FA4's log-sum-exp to cuDNN. q [B, T, H, D]; k, v
+    [B, T, Hkv, D]. Checked against float64 autograd on the H200 (tests/qwen_hybrid/test_attention.py)."""
 
     @staticmethod
     def forward(ctx, q, k, v):

@@ -96,7 +96,9 @@ def test_torch_path_restarts_at_documents_and_matches_float64_gradcheck():
     assert torch.autograd.gradcheck(lambda a, w: causal_conv1d_silu_torch(a, w, position), (x, weight))
     whole = causal_conv1d_silu_torch(x, weight, position)
     alone = [causal_conv1d_silu_torch(part, weight, None) for part in x.split(lengths, dim=1)]
-    torch.testing.assert_close(whole, torch.cat(alone, dim=1), rtol=0, atol=0)
+    # a document that sees its neighbour is off by O(1); float64 ops over another length may take
+    # another vector/scalar path and round 1 ulp apart (seen on a Xeon: 5.6e-17)
+    torch.testing.assert_close(whole, torch.cat(alone, dim=1), rtol=1e-14, atol=1e-15)
 
 
 @pytest.mark.parametrize(
