@@ -25,7 +25,8 @@ import torch.nn.functional as F
 ATTENTION_BACKENDS = ("auto", "sdpa", "fa4")
 # compute capabilities (major) FlashAttention-4 has forward and backward kernels for
 FA4_ARCHS = (9, 10, 11)
-FA4_DTYPES = (torch.bfloat16, torch.float16)
+# what FlashAttention kernels (FA4 and torch's varlen_attn) take
+HALF_DTYPES = (torch.bfloat16, torch.float16)
 # one document at least this long: FA4's forward, cuDNN's backward (measured faster at 131072, slower at 32768)
 FA4_FORWARD_MIN_TOKENS = 131072
 
@@ -54,7 +55,7 @@ def fa4_unavailable_reason(device: torch.device, dtype: torch.dtype = torch.bflo
     head_dim None: any it takes)."""
     if device.type != "cuda":
         return f"FlashAttention-4 runs on CUDA devices, got {device.type}"
-    if dtype not in FA4_DTYPES:
+    if dtype not in HALF_DTYPES:
         return f"FlashAttention-4 takes bfloat16 or float16, got {dtype}"
     if head_dim is not None and (not 8 <= head_dim <= 256 or head_dim % 8):
         return f"FlashAttention-4 takes head dims 8-256 in multiples of 8, got {head_dim}"
@@ -123,7 +124,7 @@ def _sdpa_backends(q, k, v, documents) -> torch.Tensor:
     scale = q.shape[-1] ** -0.5
     if documents is None:
         return sdpa_causal(q, k, v, scale)
-    if q.is_cuda and _varlen_attn is not None and q.dtype in FA4_DTYPES:
+    if q.is_cuda and _varlen_attn is not None and q.dtype in HALF_DTYPES:
         return varlen_causal(q[0], k[0], v[0], documents.cu_seqlens, documents.max_seqlen, scale).unsqueeze(0)
     bounds = documents.cu_seqlens_cpu.tolist()
     outs = [sdpa_causal(q[:, start:end], k[:, start:end], v[:, start:end], scale)

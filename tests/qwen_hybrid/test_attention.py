@@ -92,55 +92,56 @@ def test_auto_picks_fa4_for_packs_and_its_forward_for_long_documents(monkeypatch
     assert calls == ["fa4 varlen", "fa4 + cudnn", "sdpa", "fa4 dense", "sdpa"]
 
 
+def errors_against_float64(runs: dict, lengths, seed: int) -> dict:
+    """{name: {"out" | "dq" | "dk" | "dv": worst error per document}} of each run(q, k, v, documents)
+    against float64 autograd on the same bf16 inputs and output gradient."""
+    reason = fa4_unavailable_reason(torch.device("cuda"), torch.bfloat16, HEAD_DIM)
+    if reason is not None:
+        pytest.skip(reason)
+    q, k, v, documents, bounds = inputs(lengths, "cuda", torch.bfloat16, seed=seed)
+    grad_out = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16,
+                           generator=torch.Generator("cuda").manual_seed(seed + 1))
+    leaves64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want = reference(*leaves64, bounds)
+    want.backward(grad_out.double())
+    errors = {}
+    for name, run in runs.items():
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = run(*leaves, documents)
+        out.backward(grad_out)
+        errors[name] = {"out": worst_error_per_document(out, want.detach(), bounds)}
+        for label, leaf, leaf64 in zip("qkv", leaves, leaves64):
+            errors[name][f"d{label}"] = worst_error_per_document(leaf.grad, leaf64.grad, bounds)
+    return errors
+
+
+def assert_within_bounds_and_sdpa(errors: dict, name: str) -> None:
+    """Each of `name`'s worst errors < 2e-2 and no larger than 1.5x the sdpa backend's (+1e-3)."""
+    for label, per_document in errors[name].items():
+        worst, sdpa_worst = max(per_document), max(errors["sdpa"][label])
+        print(f"{label}: {name} worst {worst:.3e} (per document {[f'{e:.1e}' for e in per_document]}), "
+              f"sdpa {sdpa_worst:.3e}")
+        assert worst < 2e-2, f"{label}: {name}'s worst error {worst:.3e} per document {per_document}"
+        assert worst <= 1.5 * sdpa_worst + 1e-3, f"{label}: {name} {worst:.3e} against sdpa {sdpa_worst:.3e}"
+
+
+def _sdpa(q, k, v, documents):
+    return causal_attention(q, k, v, documents, backend="sdpa")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("lengths", [RAGGED, [4096]], ids=["ragged", "one_document"])
 def test_fa4_matches_float64_attention_and_its_gradients(lengths):
     """FlashAttention-4's output and q/k/v gradients against float64 autograd, document by document;
     no worse than 1.5x the error of the sdpa backend (cuDNN, varlen_attn) on the same inputs."""
-    reason = fa4_unavailable_reason(torch.device("cuda"), torch.bfloat16, HEAD_DIM)
-    if reason is not None:
-        pytest.skip(reason)
-    q, k, v, documents, bounds = inputs(lengths, "cuda", torch.bfloat16, seed=1)
-    grad_out = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=torch.Generator("cuda").manual_seed(2))
-    leaves64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    want = reference(*leaves64, bounds)
-    want.backward(grad_out.double())
-    errors = {}
-    for backend in ("fa4", "sdpa"):
-        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-        out = causal_attention(*leaves, documents, backend=backend)
-        out.backward(grad_out)
-        errors[backend] = {"out": worst_error_per_document(out, want.detach(), bounds)}
-        for name, leaf, leaf64 in zip("qkv", leaves, leaves64):
-            errors[backend][f"d{name}"] = worst_error_per_document(leaf.grad, leaf64.grad, bounds)
-    for name, per_document in errors["fa4"].items():
-        worst, sdpa_worst = max(per_document), max(errors["sdpa"][name])
-        print(f"{name}: fa4 worst {worst:.3e} (per document {[f'{e:.1e}' for e in per_document]}), sdpa {sdpa_worst:.3e}")
-        assert worst < 2e-2, f"{name}: fa4's worst error {worst:.3e} per document {per_document}"
-        assert worst <= 1.5 * sdpa_worst + 1e-3, f"{name}: fa4 {worst:.3e} against sdpa {sdpa_worst:.3e}"
+    fa4 = lambda q, k, v, documents: causal_attention(q, k, v, documents, backend="fa4")  # noqa: E731
+    assert_within_bounds_and_sdpa(errors_against_float64({"fa4": fa4, "sdpa": _sdpa}, lengths, seed=1), "fa4")
 
 
 @pytest.mark.gpu
 def test_fa4_forward_with_cudnn_backward_matches_float64_attention():
     """auto's kernel for one long document (at 3000 tokens here): FA4's forward, cuDNN's backward from
     FA4's log-sum-exp. Against float64 autograd, no worse than 1.5x the sdpa backend's error."""
-    reason = fa4_unavailable_reason(torch.device("cuda"), torch.bfloat16, HEAD_DIM)
-    if reason is not None:
-        pytest.skip(reason)
-    q, k, v, documents, bounds = inputs([3000], "cuda", torch.bfloat16, seed=3)
-    grad_out = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=torch.Generator("cuda").manual_seed(4))
-    leaves64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    want = reference(*leaves64, bounds)
-    want.backward(grad_out.double())
-    errors = {}
-    for name, run in (("fa4+cudnn", FA4ForwardCudnnBackward.apply), ("sdpa", lambda *t: causal_attention(*t, None, "sdpa"))):
-        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-        out = run(*leaves)
-        out.backward(grad_out)
-        errors[name] = {"out": worst_error_per_document(out, want.detach(), bounds)[0]}
-        for label, leaf, leaf64 in zip("qkv", leaves, leaves64):
-            errors[name][f"d{label}"] = worst_error_per_document(leaf.grad, leaf64.grad, bounds)[0]
-    print(errors)
-    for label, error in errors["fa4+cudnn"].items():
-        assert error < 2e-2, f"{label}: FA4 + cuDNN's error {error:.3e}"
-        assert error <= 1.5 * errors["sdpa"][label] + 1e-3, f"{label}: FA4 + cuDNN {error:.3e}, sdpa {errors['sdpa'][label]:.3e}"
+    fa4_cudnn = lambda q, k, v, documents: FA4ForwardCudnnBackward.apply(q, k, v)  # noqa: E731
+    errors = errors_against_float64({"fa4+cudnn": fa4_cudnn, "sdpa": _sdpa}, [3000], seed=3)
+    assert_within_bounds_and_sdpa(errors, "fa4+cudnn")
