@@ -229,7 +229,7 @@ print("max |difference|", max(abs(losses[0][s] - losses[1][s]) for s in losses[0
         TAG=ckpt16 train_run ckpt16-128k 0.8B 131072 tilelang benchmark.kernel_timing=false train.checkpoint_layers=16
         ;;
     model-bench)
-        step model-bench 300 60 "$PYTHON" -m flashqla.bench --model --fwd --bwd --baselines fla,flashqla \
+        step model-bench 500 60 "$PYTHON" -m flashqla.bench --model --fwd --bwd --baselines fla,flashqla \
             --json "$OUT/model-bench.json" ${SHAPES:+--shapes "$SHAPES"} ${BREAKDOWN:+--breakdown}
         ;;
     model-vs-hf)
