@@ -3,7 +3,7 @@ and side-by-side timings of kernel variants (--compare).
 
     python -m flashqla.bench [--fwd] [--bwd] [--json PATH] [--shapes SUBSTR,...] [--baselines fla,flashqla]
                              [--time-budget SECONDS] [--breakdown] [--model]
-    python -m flashqla.bench --compare [keep_forward,conv,inverse] [--json PATH]
+    python -m flashqla.bench --compare [keep_forward,conv,inverse,chunk_grads] [--json PATH]
 
 Each library is called the way its users call it: ours through `flashqla.chunk_gated_delta_rule`
 (backend="tilelang", input checks included), FLA through its `chunk_gated_delta_rule` beneath
@@ -35,7 +35,8 @@ FLA_CACHE_RESULTS=0) and the timed run then autotunes alone with every kernel al
 ratios (timings live here, not in the GPU tests, so a busy machine cannot fail a correctness test):
 - keep_forward: forward + backward through the public op, keep_for_backward=False, "products" and True;
 - conv: the GDN layer's conv + SiLU, the TileLang kernel against torch.compile of its definition;
-- inverse: the chunks' inverse A~ against FlashQLA's kkt_solve.
+- inverse: the chunks' inverse A~ against FlashQLA's kkt_solve;
+- chunk_grads: the chunk-gradient kernel against its candidate with overlapping products.
 """
 from __future__ import annotations
 
@@ -394,7 +395,33 @@ def compare_inverse(rep_ms: int):
         yield name, times
 
 
-COMPARISONS = {"keep_forward": compare_keep_forward, "conv": compare_conv, "inverse": compare_inverse}
+def compare_chunk_grads(rep_ms: int):
+    """The chunk-gradient kernel (backward_chunk_grads.py) against its candidate with overlapping
+    products (backward_chunk_grads_overlap.py), on the kernel's own inputs (random states and state
+    gradients). Raises where the candidate's dq, dk, dv are more than 1e-3 (relative L2) from the
+    kernel's, or dg, dbeta more than 1e-4."""
+    from flashqla.hopper.backward_chunk_grads import chunk_gradients
+    from flashqla.hopper.backward_chunk_grads_overlap import compile_chunk_grads_overlap
+    from flashqla.testing import chunk_gradient_arguments, relative_error
+
+    overlap = compile_chunk_grads_overlap()
+    for name, heads, seq_lens in INVERSE_SHAPES:
+        x = make_inputs(heads, seq_lens)
+        do = torch.randn(x["v"].shape[1:], generator=torch.Generator(device="cuda").manual_seed(1),
+                         device="cuda").to(torch.bfloat16)
+        args = chunk_gradient_arguments(x["q"][0], x["k"][0], x["v"][0], x["g"][0], x["beta"][0], do,
+                                        x["cu_seqlens"])
+        kernel, candidate = chunk_gradients(**args), chunk_gradients(**args, compiled=overlap)
+        for label, a, b, bound in zip(("dq", "dk", "dv", "dg", "dbeta"), kernel, candidate, (1e-3,) * 3 + (1e-4,) * 2):
+            error = float(relative_error(b, a))
+            if not error <= bound:  # also catches NaN
+                raise AssertionError(f"chunk grads {name}: the candidate's {label} is {error:.2e} from the kernel's")
+        yield name, {"kernel": _median_ms(lambda: chunk_gradients(**args), rep_ms),
+                     "overlap": _median_ms(lambda: chunk_gradients(**args, compiled=overlap), rep_ms)}
+
+
+COMPARISONS = {"keep_forward": compare_keep_forward, "conv": compare_conv, "inverse": compare_inverse,
+               "chunk_grads": compare_chunk_grads}
 
 
 def run_comparisons(names: list[str], rep_ms: int, json_path: str | None) -> None:

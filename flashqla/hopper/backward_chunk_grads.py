@@ -424,14 +424,15 @@ def chunk_bounds(cu_seqlens: torch.Tensor, chunk_index: torch.Tensor) -> torch.T
 
 
 def chunk_gradients(q, k, v, gamma, beta, inverse, chunk_states, chunk_state_grads, do, scale, cu_seqlens,
-                       chunk_index, num_workers: int | None = None):
+                       chunk_index, num_workers: int | None = None, compiled=None):
     """Run the kernel on flattened inputs; returns (dq, dk per value head, dv, dg, dbeta).
 
     q, k: [T, Hqk, 128] bf16; v, do: [T, Hv, 128] bf16; gamma (chunk-local cumsum), beta: [T, Hv] fp32;
     inverse: [T, Hv, 64] bf16; chunk_states (entering each chunk), chunk_state_grads (leaving it):
     [num_chunks, Hv, 128, 128] bf16 in chunk_index order; cu_seqlens: int32 [N + 1];
     chunk_index: int32 [num_chunks, 2] (sequence, chunk within it); num_workers (CTAs) defaults to
-    the SM count.
+    the SM count. compiled: a compiled kernel with this one's arguments, default compile_chunk_grads()
+    (the bench's comparison and a candidate's GPU test pass the candidate's).
     dq, dk, dv: bf16 [T, Hv, 128]; dg, dbeta: float32 [T, Hv].
     """
     num_tokens, _, head_dim = q.shape
@@ -449,6 +450,7 @@ def chunk_gradients(q, k, v, gamma, beta, inverse, chunk_states, chunk_state_gra
             num_workers = device_sm_count(q.device)
         num_workers = max(1, min(num_workers, num_chunks * num_v_heads))
         bounds = chunk_bounds(cu_seqlens, chunk_index)
-        compile_chunk_grads()(q, k, v, gamma, beta, inverse, chunk_states, chunk_state_grads, do, bounds, dq_head, dk_head, dv, dg,
+        kernel = compile_chunk_grads() if compiled is None else compiled
+        kernel(q, k, v, gamma, beta, inverse, chunk_states, chunk_state_grads, do, bounds, dq_head, dk_head, dv, dg,
                dbeta, float(scale), num_workers)
     return dq_head, dk_head, dv, dg, dbeta

@@ -1,0 +1,410 @@
+"""Candidate of the chunk-gradient kernel (backward_chunk_grads.py) whose independent products
+overlap: reached through `python -m flashqla.bench --compare chunk_grads` and its GPU test only.
+
+Same inputs, outputs, loads and buffers as the kernel; what differs is the order of work inside a
+task. Every product is issued asynchronously (`T.wgmma_gemm`) and waited for only where its result
+is read (`T.wait_wgmma(n)`: all but the n latest issued are done; the fence after it keeps the
+compiler from moving reads of the accumulator above the wait), so the tensor cores run while the
+warpgroups do the elementwise work of the previous product, and independent products go out back to
+back: (K S0, K dS1), (Ab^T dDelta, dDelta W^T, then Delta dS1^T, dO S0^T), (dU S0^T, dO Delta^T),
+(dPm K, dPm^T Q, A~^T dA~), (T1 A~^T, K K^T). The sum of S0 . dS1 is one scalar a task, made by
+each thread from shared memory while K S0 and K dS1 run and summed per warp, where the kernel
+reduced a 128 x 128 fragment and then a 64 x 128 one. dg's within-chunk suffix sums are warp
+shuffles, where one thread a row summed 64 entries in sequence.
+"""
+
+import functools
+
+import tilelang.language as T
+
+from flashqla.hopper.backward_chunk_grads import tile_sum_macros
+from flashqla.hopper.common import CHUNK_SIZE, HEAD_DIM, compile_for_hopper
+
+_C = CHUNK_SIZE
+_THREADS = 256
+# float32 registers a thread holds of a C x 128 and of a C x C accumulator (what a fence after a wait
+# names; TileLang's default would be the whole fragment's element count)
+_WIDE = _C * HEAD_DIM // _THREADS
+_SQUARE = _C * _C // _THREADS
+
+
+def overlap_program():
+    """Kernel for K = V = 128, bf16 operands, float32 gamma and beta; head counts, lengths, scale
+    and the number of CTAs are run-time values."""
+    K = V = HEAD_DIM
+    BV = V
+    num_v_heads = T.dynamic("num_v_heads")
+    num_qk_heads = T.dynamic("num_qk_heads")
+    num_tokens = T.dynamic("num_tokens")
+    num_chunks = T.dynamic("num_chunks")
+    op = "bfloat16"
+    f32 = "float32"
+    column_partials, sum_partials = tile_sum_macros(_THREADS // _C)
+
+    @T.prim_func
+    def chunk_grads_overlap_kernel(
+        q: T.Tensor((num_tokens, num_qk_heads, K), op),
+        k: T.Tensor((num_tokens, num_qk_heads, K), op),
+        v: T.Tensor((num_tokens, num_v_heads, V), op),
+        gamma: T.Tensor((num_tokens, num_v_heads), f32),
+        beta: T.Tensor((num_tokens, num_v_heads), f32),
+        inverse: T.Tensor((num_tokens, num_v_heads, _C), op),
+        chunk_states: T.Tensor((num_chunks, num_v_heads, K, V), op),
+        chunk_state_grads: T.Tensor((num_chunks, num_v_heads, K, V), op),
+        do: T.Tensor((num_tokens, num_v_heads, V), op),
+        chunk_bounds: T.Tensor((num_chunks, 2), "int32"),
+        dq_head: T.Tensor((num_tokens, num_v_heads, K), op),
+        dk_head: T.Tensor((num_tokens, num_v_heads, K), op),
+        dv: T.Tensor((num_tokens, num_v_heads, V), op),
+        dg: T.Tensor((num_tokens, num_v_heads), f32),
+        dbeta: T.Tensor((num_tokens, num_v_heads), f32),
+        scale: T.float32,
+        num_workers: T.int32,
+    ):
+        with T.Kernel(num_workers, threads=_THREADS) as worker:
+            tx = T.get_thread_binding()
+            group = num_v_heads // num_qk_heads
+            num_tasks = num_chunks * num_v_heads
+            my_tasks = T.ceildiv(num_tasks - worker, num_workers)
+
+            q_s = T.alloc_shared((_C, K), op)
+            k_s = T.alloc_shared((_C, K), op)
+            do_s = T.alloc_shared((_C, BV), op)
+            inv_s = T.alloc_shared((_C, _C), op)
+            s0_s = T.alloc_shared((K, BV), op)
+            ds_s = T.alloc_shared((K, BV), op)
+            # Two C x C tiles reused by phase (one shared allocation each: TileLang does not reuse
+            # shared memory across a loop's iterations, and all buffers together exceed 227 KB).
+            # pm_s: scale (Gm . QK^T), then dA~, then T1 = A~^T dA~.
+            pm_s = T.alloc_shared((_C, _C), op)
+            # ab_s: (Gm . A~) diag(beta), then dPm, then diag(beta) dL.
+            ab_s = T.alloc_shared((_C, _C), op)
+            w_s = T.alloc_shared((_C, BV), op)  # v (by TMA), turned into W = V - D U in place
+            delta_s = T.alloc_shared((_C, BV), op)
+            d_delta_s = T.alloc_shared((_C, BV), op)
+            du_s = T.alloc_shared((_C, BV), op)
+            # Float32 C x C scratch for the column and row sums of C x C products, in dDelta's
+            # bytes: dDelta is read for the last time (dAb = dDelta W^T) before its first use.
+            cc_s = T.view(d_delta_s, (_C, _C), f32)
+            col_part_s = T.alloc_shared((_THREADS // _C, _C), f32)
+            row_part_s = T.alloc_shared((_THREADS // _C, _C), f32)
+            b_s = T.alloc_shared((_C,), f32)
+            gam_s = T.alloc_shared((_C,), f32)
+            dec_s = T.alloc_shared((_C,), f32)  # e^{gamma_t}
+            rdec_s = T.alloc_shared((_C,), f32)  # e^{gamma_C - gamma_t}
+            dgam_s = T.alloc_shared((_C,), f32)
+            te_s = T.alloc_shared((_C,), f32)
+            dbeta_s = T.alloc_shared((_C,), f32)
+            dot_part_s = T.alloc_shared((_THREADS // 32,), f32)  # per warp: sum of S0 . dS1
+            # per warp of the first two: sum of its rows' dgamma (masked) and of their te
+            dgam_part_s = T.alloc_shared((2,), f32)
+            te_part_s = T.alloc_shared((2,), f32)
+            loads_a = T.alloc_barrier([1])  # q, k, A~, dO
+            loads_b = T.alloc_barrier([1])  # v, S0, dS1
+
+            qk = T.alloc_fragment((_C, _C), f32)
+            gm = T.alloc_fragment((_C, _C), f32)
+            ag = T.alloc_fragment((_C, _C), f32)
+            u = T.alloc_fragment((_C, BV), f32)
+            delta = T.alloc_fragment((_C, BV), f32)
+            d_delta = T.alloc_fragment((_C, BV), f32)
+            dw = T.alloc_fragment((_C, BV), f32)
+            cv = T.alloc_fragment((_C, BV), f32)
+            dab = T.alloc_fragment((_C, _C), f32)
+            dpr = T.alloc_fragment((_C, _C), f32)
+            cc = T.alloc_fragment((_C, _C), f32)
+            t1 = T.alloc_fragment((_C, _C), f32)
+            dl = T.alloc_fragment((_C, _C), f32)
+            kk = T.alloc_fragment((_C, _C), f32)
+            dq = T.alloc_fragment((_C, K), f32)
+            dk = T.alloc_fragment((_C, K), f32)
+            ck = T.alloc_fragment((_C, K), f32)
+            row_v = T.alloc_fragment((_C,), f32)  # row sums of C x BV fragments
+            row_d = T.alloc_fragment((_C,), f32)  # row sums of C x K fragments
+            gamma_next = T.alloc_var(f32)  # this thread's gamma / beta entry of the next task
+            beta_next = T.alloc_var(f32)
+            dg_sum = T.alloc_var(f32)  # this thread's row of dg
+            dot_acc = T.alloc_local((8,), f32)
+            dot = T.alloc_var(f32)
+            suffix = T.alloc_var(f32)  # threads t < C: sum of dgamma over rows t.. of t's warp
+            shifted = T.alloc_var(f32)
+            te_sum = T.alloc_var(f32)
+            # A task's indices, held in variables: an expression is inlined into every index that uses
+            # it, there as 64-bit divisions by num_v_heads (57 of them in the generated code before).
+            chunk_id, head, start, length = (T.alloc_var("int32") for _ in range(4))
+            next_chunk, next_head, next_start, next_length = (T.alloc_var("int32") for _ in range(4))
+            first_chunk, first_head, first_start, first_length = (T.alloc_var("int32") for _ in range(4))
+
+            # Task 0 of this worker: issue both load groups and read its gamma / beta.
+            first_chunk = worker // num_v_heads
+            first_head = worker % num_v_heads
+            first_start = chunk_bounds[first_chunk, 0]
+            first_length = chunk_bounds[first_chunk, 1]
+            T.tma_copy(q[first_start:first_start + _C, first_head // group, 0:K], q_s, barrier=loads_a[0])
+            T.tma_copy(k[first_start:first_start + _C, first_head // group, 0:K], k_s, barrier=loads_a[0])
+            T.tma_copy(inverse[first_start:first_start + _C, first_head, 0:_C], inv_s, barrier=loads_a[0])
+            T.tma_copy(do[first_start:first_start + _C, first_head, 0:V], do_s, barrier=loads_a[0])
+            if T.shuffle_elect(_THREADS):
+                T.barrier_arrive(loads_a[0])
+            T.tma_copy(v[first_start:first_start + _C, first_head, 0:V], w_s, barrier=loads_b[0])
+            T.tma_copy(chunk_states[first_chunk, first_head, 0:K, 0:V], s0_s, barrier=loads_b[0])
+            T.tma_copy(chunk_state_grads[first_chunk, first_head, 0:K, 0:V], ds_s, barrier=loads_b[0])
+            if T.shuffle_elect(_THREADS):
+                T.barrier_arrive(loads_b[0])
+            if tx < _C:
+                gamma_next = gamma[first_start + T.min(tx, first_length - 1), first_head]
+                beta_next = T.if_then_else(tx < first_length, beta[first_start + T.min(tx, first_length - 1),
+                                                                   first_head], 0.0)
+
+            for i in T.serial(my_tasks):
+                task = worker + i * num_workers
+                chunk_id = task // num_v_heads
+                head = task % num_v_heads
+                start = chunk_bounds[chunk_id, 0]
+                length = chunk_bounds[chunk_id, 1]
+                has_next = i + 1 < my_tasks
+                # Clamped so that the last task's look-ahead reads stay inside chunk_bounds.
+                next_chunk = T.min((task + num_workers) // num_v_heads, num_chunks - 1)
+                next_head = (task + num_workers) % num_v_heads
+                next_start = chunk_bounds[next_chunk, 0]
+                next_length = chunk_bounds[next_chunk, 1]
+
+                if tx < _C:
+                    gam_s[tx] = gamma_next
+                    b_s[tx] = beta_next
+                T.sync_threads()
+                for t in T.Parallel(_C):
+                    dec_s[t] = T.exp(gam_s[t])
+                    rdec_s[t] = T.exp(gam_s[_C - 1] - gam_s[t])
+                for t, s in T.Parallel(_C, _C):
+                    gm[t, s] = T.if_then_else((s <= t) & (t < length), T.exp(gam_s[t] - gam_s[s]), 0.0)
+
+                # Whole tiles: rows past the sequence end hold the next sequence's data (or TMA's
+                # zeros past the tensor); masked rows of Gm and beta and of dgamma keep them out.
+                T.mbarrier_wait_parity(loads_a[0], i % 2)
+                T.gemm(q_s, k_s, qk, transpose_B=True, clear_accum=True)
+                for t, s in T.Parallel(_C, _C):
+                    pm_s[t, s] = T.cast(scale * qk[t, s] * gm[t, s], op)
+                for t, s in T.Parallel(_C, _C):
+                    ag[t, s] = T.cast(inv_s[t, s], f32) * gm[t, s]
+                for t, s in T.Parallel(_C, _C):
+                    ab_s[t, s] = T.cast(ag[t, s] * b_s[s], op)
+
+                # Group B phase. U = K S0 and K dS1 are issued together; the sum of S0 . dS1 (dgamma_C's
+                # term) is made from shared memory while the tensor cores run them.
+                T.mbarrier_wait_parity(loads_b[0], i % 2)
+                T.wgmma_gemm(k_s, s0_s, u, clear_accum=True)
+                T.wgmma_gemm(k_s, ds_s, d_delta, clear_accum=True)
+                for j in T.vectorized(8):
+                    dot_acc[j] = 0.0
+                for c in T.serial(BV // 16):
+                    for j in T.vectorized(8):
+                        dot_acc[j] = dot_acc[j] + T.cast(s0_s[tx // 2, (tx % 2) * (BV // 2) + c * 8 + j], f32) \
+                            * T.cast(ds_s[tx // 2, (tx % 2) * (BV // 2) + c * 8 + j], f32)
+                dot = dot_acc[0]
+                for j in T.serial(1, 8):
+                    dot = dot + dot_acc[j]
+                dot = T.warp_reduce_sum(dot)
+                if tx % 32 == 0:
+                    dot_part_s[tx // 32] = dot
+
+                # W = V - D U (in v's buffer), Delta = Ab W
+                T.wait_wgmma(1)
+                T.warpgroup_fence_operand(u, num_regs=_WIDE)
+                for t, d in T.Parallel(_C, BV):
+                    w_s[t, d] = T.cast(T.cast(w_s[t, d], f32) - dec_s[t] * u[t, d], op)
+                T.wgmma_gemm(ab_s, w_s, delta, clear_accum=True)
+                # dDelta = E K dS1 + Pm^T dO;  the E term also feeds dgamma (te).
+                T.wait_wgmma(1)
+                T.warpgroup_fence_operand(d_delta, num_regs=_WIDE)
+                for t, d in T.Parallel(_C, BV):
+                    d_delta[t, d] = d_delta[t, d] * rdec_s[t]
+                T.wait_wgmma(0)
+                T.warpgroup_fence_operand(delta, num_regs=_WIDE)
+                for t, d in T.Parallel(_C, BV):
+                    delta_s[t, d] = T.cast(delta[t, d], op)
+                for t, d in T.Parallel(_C, BV):
+                    cv[t, d] = delta[t, d] * d_delta[t, d]
+                T.reduce_sum(cv, row_v, dim=1, clear=True)
+                for t in T.Parallel(_C):
+                    te_s[t] = row_v[t]
+                T.wgmma_gemm(pm_s, do_s, d_delta, transpose_A=True)
+                T.wait_wgmma(0)
+                T.warpgroup_fence_operand(d_delta, num_regs=_WIDE)
+                for t, d in T.Parallel(_C, BV):
+                    d_delta_s[t, d] = T.cast(d_delta[t, d], op)
+
+                # dW = Ab^T dDelta = dV (dU = -D dW) and dAb = dDelta W^T (W's last read)
+                T.wgmma_gemm(ab_s, d_delta_s, dw, transpose_A=True, clear_accum=True)
+                T.wgmma_gemm(d_delta_s, w_s, dab, transpose_B=True, clear_accum=True)
+                T.wait_wgmma(1)
+                T.warpgroup_fence_operand(dw, num_regs=_WIDE)
+                for t, d in T.Parallel(_C, BV):
+                    if t < length:
+                        dv[start + t, head, d] = T.cast(dw[t, d], op)
+                for t, d in T.Parallel(_C, BV):
+                    dw[t, d] = -dec_s[t] * dw[t, d]
+                for t, d in T.Parallel(_C, BV):
+                    cv[t, d] = dw[t, d] * u[t, d]
+                T.reduce_sum(cv, row_v, dim=1, clear=True)
+                for t in T.Parallel(_C):
+                    dgam_s[t] = row_v[t] - te_s[t]
+                for t, d in T.Parallel(_C, BV):
+                    du_s[t, d] = T.cast(dw[t, d], op)
+                # dK's first state term E Delta dS1^T (dS1's last read) and dQ's S0 term scale D dO S0^T
+                T.wgmma_gemm(delta_s, ds_s, dk, transpose_B=True, clear_accum=True)
+                T.wgmma_gemm(do_s, s0_s, dq, transpose_B=True, clear_accum=True)
+                T.wait_wgmma(2)
+                T.warpgroup_fence_operand(dab, num_regs=_SQUARE)
+                # dbeta = column sums of dAb . Ag, in dDelta's bytes: both warpgroups' reads of dDelta
+                # must be over (the barrier), not only this warpgroup's (the wait).
+                T.sync_threads()
+                for t, s in T.Parallel(_C, _C):
+                    cc_s[t, s] = dab[t, s] * ag[t, s]
+                T.sync_threads()
+                column_partials(cc_s, col_part_s, tx)
+                T.sync_threads()
+                if tx < _C:
+                    dbeta_s[tx] = sum_partials(col_part_s, tx)
+                for t, s in T.Parallel(_C, _C):
+                    dab[t, s] = dab[t, s] * b_s[s]
+                for t, s in T.Parallel(_C, _C):
+                    pm_s[t, s] = T.cast(dab[t, s] * gm[t, s], op)  # dA~
+                T.wait_wgmma(0)
+                T.warpgroup_fence_operand(dk, num_regs=_WIDE)
+                T.warpgroup_fence_operand(dq, num_regs=_WIDE)
+                for t, d in T.Parallel(_C, K):
+                    dk[t, d] = dk[t, d] * rdec_s[t]
+                for t, d in T.Parallel(_C, K):
+                    dq[t, d] = dq[t, d] * (scale * dec_s[t])
+                for t, d in T.Parallel(_C, K):
+                    ck[t, d] = dq[t, d] * T.cast(q_s[t, d], f32)
+                T.reduce_sum(ck, row_d, dim=1, clear=True)
+                for t in T.Parallel(_C):
+                    dgam_s[t] = dgam_s[t] + row_d[t]
+                # with dP = scale dO Delta^T
+                T.wgmma_gemm(du_s, s0_s, dk, transpose_B=True)
+                T.wgmma_gemm(do_s, delta_s, dpr, transpose_B=True, clear_accum=True)
+                T.wait_wgmma(0)
+                T.warpgroup_fence_operand(dk, num_regs=_WIDE)
+                T.warpgroup_fence_operand(dpr, num_regs=_SQUARE)
+
+                # W (v's buffer), S0 and dS1 are read for the last time above: load the next task's
+                # group B (and its gamma / beta) while the rest of this task runs.
+                T.sync_threads()
+                if has_next:
+                    T.tma_copy(v[next_start:next_start + _C, next_head, 0:V], w_s, barrier=loads_b[0])
+                    T.tma_copy(chunk_states[next_chunk, next_head, 0:K, 0:V], s0_s, barrier=loads_b[0])
+                    T.tma_copy(chunk_state_grads[next_chunk, next_head, 0:K, 0:V], ds_s, barrier=loads_b[0])
+                    if T.shuffle_elect(_THREADS):
+                        T.barrier_arrive(loads_b[0])
+                    if tx < _C:
+                        gamma_next = gamma[next_start + T.min(tx, next_length - 1), next_head]
+                        beta_next = T.if_then_else(tx < next_length,
+                                                   beta[next_start + T.min(tx, next_length - 1), next_head], 0.0)
+
+                # dGm terms give dgamma (row sums minus column sums): the column sums from cc_s, the
+                # row sums as the column sums of its transpose.
+                for t, s in T.Parallel(_C, _C):
+                    cc[t, s] = dab[t, s] * ag[t, s] + scale * dpr[t, s] * qk[t, s] * gm[t, s]
+                for t, s in T.Parallel(_C, _C):
+                    cc_s[t, s] = cc[t, s]
+                T.sync_threads()
+                column_partials(cc_s, col_part_s, tx)
+                T.sync_threads()
+                for t, s in T.Parallel(_C, _C):
+                    cc_s[s, t] = cc[t, s]
+                T.sync_threads()
+                column_partials(cc_s, row_part_s, tx)
+                T.sync_threads()
+                if tx < _C:
+                    dgam_s[tx] = dgam_s[tx] + sum_partials(row_part_s, tx) - sum_partials(col_part_s, tx)
+                for t, s in T.Parallel(_C, _C):
+                    ab_s[t, s] = T.cast(scale * dpr[t, s] * gm[t, s], op)  # dPm
+
+                # dQ += dPm K;  dK += dPm^T Q;  T1 = A~^T dA~
+                T.wgmma_gemm(ab_s, k_s, dq)
+                T.wgmma_gemm(ab_s, q_s, dk, transpose_A=True)
+                T.wgmma_gemm(inv_s, pm_s, t1, transpose_A=True, clear_accum=True)
+                T.wait_wgmma(2)
+                T.warpgroup_fence_operand(dq, num_regs=_WIDE)
+                for t, d in T.Parallel(_C, K):
+                    if t < length:
+                        dq_head[start + t, head, d] = T.cast(dq[t, d], op)
+                T.wait_wgmma(0)
+                T.warpgroup_fence_operand(dk, num_regs=_WIDE)
+                T.warpgroup_fence_operand(t1, num_regs=_SQUARE)
+                T.sync_threads()  # every warpgroup has read dA~ before T1 overwrites it
+                for t, s in T.Parallel(_C, _C):
+                    pm_s[t, s] = T.cast(t1[t, s], op)
+                # dL = -A~^T dA~ A~^T (strictly lower) with L_ts = beta_t k_t.k_s, and K K^T
+                T.wgmma_gemm(pm_s, inv_s, dl, transpose_B=True, clear_accum=True)
+                T.wgmma_gemm(k_s, k_s, kk, transpose_B=True, clear_accum=True)
+                T.wait_wgmma(0)
+                T.warpgroup_fence_operand(dl, num_regs=_SQUARE)
+                T.warpgroup_fence_operand(kk, num_regs=_SQUARE)
+                for t, s in T.Parallel(_C, _C):
+                    dl[t, s] = T.if_then_else(s < t, -dl[t, s], 0.0)
+                # dbeta += row sums of dL . KK^T, as the column sums of its transpose (cc_s is free:
+                # its last reads were before the two barriers since)
+                for t, s in T.Parallel(_C, _C):
+                    cc_s[s, t] = dl[t, s] * kk[t, s]
+                T.sync_threads()
+                column_partials(cc_s, row_part_s, tx)
+                T.sync_threads()
+                if tx < _C:
+                    dbeta_s[tx] = dbeta_s[tx] + sum_partials(row_part_s, tx)
+                # dK += (X + X^T) K with X = diag(beta) dL: two products instead of a transpose
+                # through shared memory.
+                T.sync_threads()  # every warpgroup has read dPm before X overwrites it
+                for t, s in T.Parallel(_C, _C):
+                    ab_s[t, s] = T.cast(dl[t, s] * b_s[t], op)
+                T.wgmma_gemm(ab_s, k_s, dk)
+                T.wgmma_gemm(ab_s, k_s, dk, transpose_A=True)
+                T.wait_wgmma(0)
+                T.warpgroup_fence_operand(dk, num_regs=_WIDE)
+
+                # q, k, A~ and dO are read for the last time above: load the next task's group A.
+                T.sync_threads()
+                if has_next:
+                    T.tma_copy(q[next_start:next_start + _C, next_head // group, 0:K], q_s, barrier=loads_a[0])
+                    T.tma_copy(k[next_start:next_start + _C, next_head // group, 0:K], k_s, barrier=loads_a[0])
+                    T.tma_copy(inverse[next_start:next_start + _C, next_head, 0:_C], inv_s, barrier=loads_a[0])
+                    T.tma_copy(do[next_start:next_start + _C, next_head, 0:V], do_s, barrier=loads_a[0])
+                    if T.shuffle_elect(_THREADS):
+                        T.barrier_arrive(loads_a[0])
+
+                for t, d in T.Parallel(_C, K):
+                    if t < length:
+                        dk_head[start + t, head, d] = T.cast(dk[t, d], op)
+
+                # dg_t = e^{gamma_C} sum(S0 . dS1) + sum_j te_j + sum_{j >= t} dgamma_j (rows j < length): the
+                # suffix sums by shuffles in the first two warps (one row a thread), then warp 0 adds
+                # warp 1's total. All in a fixed order: deterministic.
+                if tx < _C:
+                    suffix = T.if_then_else(tx < length, dgam_s[tx], 0.0)
+                    for o in T.unroll(5):
+                        shifted = T.shfl_down(suffix, 1 << o)
+                        suffix = suffix + T.if_then_else(tx % 32 + (1 << o) < 32, shifted, 0.0)
+                    te_sum = T.warp_reduce_sum(te_s[tx])
+                    if tx % 32 == 0:
+                        dgam_part_s[tx // 32] = suffix
+                        te_part_s[tx // 32] = te_sum
+                T.sync_threads()
+                if tx < length:
+                    dg_sum = dot_part_s[0]
+                    for w in T.serial(1, _THREADS // 32):
+                        dg_sum = dg_sum + dot_part_s[w]
+                    dg_sum = dg_sum * dec_s[_C - 1] + (te_part_s[0] + te_part_s[1])
+                    dg_sum = dg_sum + suffix + T.if_then_else(tx < 32, dgam_part_s[1], 0.0)
+                    dg[start + tx, head] = dg_sum
+                    dbeta[start + tx, head] = dbeta_s[tx]
+                # The next task overwrites the small shared arrays read just above.
+                T.sync_threads()
+
+    return chunk_grads_overlap_kernel
+
+
+@functools.lru_cache(maxsize=None)
+def compile_chunk_grads_overlap():
+    return compile_for_hopper(overlap_program(), fast_math=True)
