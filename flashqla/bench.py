@@ -3,7 +3,7 @@ and side-by-side timings of kernel variants (--compare).
 
     python -m flashqla.bench [--fwd] [--bwd] [--json PATH] [--shapes SUBSTR,...] [--baselines fla,flashqla]
                              [--time-budget SECONDS] [--breakdown] [--model]
-    python -m flashqla.bench --compare [keep_forward,conv,inverse,chunk_grads] [--json PATH]
+    python -m flashqla.bench --compare [keep_forward,conv,inverse] [--json PATH]
 
 Each library is called the way its users call it: ours through `flashqla.chunk_gated_delta_rule`
 (backend="tilelang", input checks included), FLA through its `chunk_gated_delta_rule` beneath
@@ -35,8 +35,7 @@ FLA_CACHE_RESULTS=0) and the timed run then autotunes alone with every kernel al
 ratios (timings live here, not in the GPU tests, so a busy machine cannot fail a correctness test):
 - keep_forward: forward + backward through the public op, keep_for_backward=False, "products" and True;
 - conv: the GDN layer's conv + SiLU, the TileLang kernel against torch.compile of its definition;
-- inverse: the chunks' inverse A~ against FlashQLA's kkt_solve;
-- chunk_grads: the chunk-gradient kernel against its candidate with overlapping products.
+- inverse: the chunks' inverse A~ against FlashQLA's kkt_solve.
 """
 from __future__ import annotations
 
@@ -214,7 +213,8 @@ def forward_breakdown(inputs: dict, rep_ms: int, like_the_model: bool = False) -
 def backward_breakdown(inputs: dict, rep_ms: int, like_the_model: bool = False) -> dict:
     """Median ms of each stage of our backward given the kept forward: the warm-up ends of the
     pieces, the state-gradient walk, the chunk gradients, the dq/dk sums over each value-head group,
-    and the walk that "products" adds (the chunk states rebuilt)."""
+    and the walk that "products" adds (the chunk states rebuilt); like_the_model adds the L2 norm's
+    backward of q and k."""
     from triton.testing import do_bench
 
     from flashqla.hopper.backward import MAX_VALUE_BLOCK, state_gradient_walk
@@ -260,6 +260,13 @@ def backward_breakdown(inputs: dict, rep_ms: int, like_the_model: bool = False) 
     }
     if plan.max_walk_back > 0:
         stages["walk_ends"] = lambda: walk_bounds(gamma, plan.pieces, cu, ahead=True)
+    if like_the_model:
+        from flashqla.l2norm import l2_normalize
+
+        raw = [inputs[name][0].detach().requires_grad_(True) for name in ("q", "k")]
+        normalised = [l2_normalize(x) for x in raw]
+        upstream = [torch.randn_like(y) for y in normalised]
+        stages["l2norm_backward"] = lambda: torch.autograd.grad(normalised, raw, upstream, retain_graph=True)
     if num_v_heads > num_qk_heads:
         group = num_v_heads // num_qk_heads
         stages["group_sum"] = lambda: dq_head.view(num_tokens, num_qk_heads, group, 128).sum(2, dtype=torch.bfloat16)
@@ -395,33 +402,7 @@ def compare_inverse(rep_ms: int):
         yield name, times
 
 
-def compare_chunk_grads(rep_ms: int):
-    """The chunk-gradient kernel (backward_chunk_grads.py) against its candidate with overlapping
-    products (backward_chunk_grads_overlap.py), on the kernel's own inputs (random states and state
-    gradients). Raises where the candidate's dq, dk, dv are more than 1e-3 (relative L2) from the
-    kernel's, or dg, dbeta more than 1e-4."""
-    from flashqla.hopper.backward_chunk_grads import chunk_gradients
-    from flashqla.hopper.backward_chunk_grads_overlap import compile_chunk_grads_overlap
-    from flashqla.testing import chunk_gradient_arguments, relative_error
-
-    overlap = compile_chunk_grads_overlap()
-    for name, heads, seq_lens in INVERSE_SHAPES:
-        x = make_inputs(heads, seq_lens)
-        do = torch.randn(x["v"].shape[1:], generator=torch.Generator(device="cuda").manual_seed(1),
-                         device="cuda").to(torch.bfloat16)
-        args = chunk_gradient_arguments(x["q"][0], x["k"][0], x["v"][0], x["g"][0], x["beta"][0], do,
-                                        x["cu_seqlens"])
-        kernel, candidate = chunk_gradients(**args), chunk_gradients(**args, compiled=overlap)
-        for label, a, b, bound in zip(("dq", "dk", "dv", "dg", "dbeta"), kernel, candidate, (1e-3,) * 3 + (1e-4,) * 2):
-            error = float(relative_error(b, a))
-            if not error <= bound:  # also catches NaN
-                raise AssertionError(f"chunk grads {name}: the candidate's {label} is {error:.2e} from the kernel's")
-        yield name, {"kernel": _median_ms(lambda: chunk_gradients(**args), rep_ms),
-                     "overlap": _median_ms(lambda: chunk_gradients(**args, compiled=overlap), rep_ms)}
-
-
-COMPARISONS = {"keep_forward": compare_keep_forward, "conv": compare_conv, "inverse": compare_inverse,
-               "chunk_grads": compare_chunk_grads}
+COMPARISONS = {"keep_forward": compare_keep_forward, "conv": compare_conv, "inverse": compare_inverse}
 
 
 def run_comparisons(names: list[str], rep_ms: int, json_path: str | None) -> None:

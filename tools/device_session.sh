@@ -32,7 +32,7 @@
 #   timing-cost         32768 tokens with kernel timing on and off
 #   checkpoint-layers   131072 tokens with train.checkpoint_layers=16
 #   model-bench         python -m flashqla.bench --model --fwd --bwd (ours / FLA / FlashQLA as the model calls the op;
-#                       SHAPES=substr,... filters; BREAKDOWN=1 adds our stages)
+#                       SHAPES=substr,... filters; BREAKDOWN=1 adds our stages; BASELINES= (empty): ours alone)
 #   model-vs-hf         python -m benchmarks.model_vs_hf: ours, HF + FLA, HF + FlashQLA at 16384 tokens
 #   train-8k            launch/benchmark.sh 0.8B 8192 tilelang,fla
 #   train-128k-tilelang launch/benchmark.sh 0.8B 131072 tilelang
@@ -229,7 +229,7 @@ print("max |difference|", max(abs(losses[0][s] - losses[1][s]) for s in losses[0
         TAG=ckpt16 train_run ckpt16-128k 0.8B 131072 tilelang benchmark.kernel_timing=false train.checkpoint_layers=16
         ;;
     model-bench)
-        step model-bench 500 60 "$PYTHON" -m flashqla.bench --model --fwd --bwd --baselines fla,flashqla \
+        step model-bench 500 60 "$PYTHON" -m flashqla.bench --model --fwd --bwd --baselines "${BASELINES-fla,flashqla}" \
             --json "$OUT/model-bench.json" ${SHAPES:+--shapes "$SHAPES"} ${BREAKDOWN:+--breakdown}
         ;;
     model-vs-hf)

@@ -11,7 +11,6 @@ import argparse
 from pathlib import Path
 
 from flashqla.hopper.backward_chunk_grads import compile_chunk_grads
-from flashqla.hopper.backward_chunk_grads_overlap import compile_chunk_grads_overlap
 from flashqla.hopper.backward_state_grads import compile_state_grads
 from flashqla.hopper.causal_conv import compile_conv_backward, compile_conv_forward
 from flashqla.hopper.chunk_states import compile_chunk_states
@@ -29,7 +28,6 @@ COMPILE_CHECKS = [
     ("backward_state_grads", lambda: compile_state_grads(32)),
     ("backward_state_grads_pieces", lambda: compile_state_grads(64, pieces=True)),
     ("backward_chunk_grads", compile_chunk_grads),
-    ("backward_chunk_grads_overlap", compile_chunk_grads_overlap),
     ("causal_conv_forward", lambda: compile_conv_forward("bfloat16")),
     ("causal_conv_backward", lambda: compile_conv_backward("bfloat16")),
     ("walk_starts", lambda: compile_walk_bounds(False)),
