@@ -3,7 +3,7 @@ and side-by-side timings of kernel variants (--compare).
 
     python -m flashqla.bench [--fwd] [--bwd] [--json PATH] [--shapes SUBSTR,...] [--baselines fla,flashqla]
                              [--time-budget SECONDS] [--breakdown] [--model]
-    python -m flashqla.bench --compare [keep_forward,conv,inverse] [--json PATH]
+    python -m flashqla.bench --compare [keep_forward,conv,inverse,l2norm] [--json PATH]
 
 Each library is called the way its users call it: ours through `flashqla.chunk_gated_delta_rule`
 (backend="tilelang", input checks included), FLA through its `chunk_gated_delta_rule` beneath
@@ -35,7 +35,8 @@ FLA_CACHE_RESULTS=0) and the timed run then autotunes alone with every kernel al
 ratios (timings live here, not in the GPU tests, so a busy machine cannot fail a correctness test):
 - keep_forward: forward + backward through the public op, keep_for_backward=False, "products" and True;
 - conv: the GDN layer's conv + SiLU, the TileLang kernel against torch.compile of its definition;
-- inverse: the chunks' inverse A~ against FlashQLA's kkt_solve.
+- inverse: the chunks' inverse A~ against FlashQLA's kkt_solve;
+- l2norm: the q/k L2 norm's Hopper kernels against torch.compile of its math.
 """
 from __future__ import annotations
 
@@ -375,6 +376,40 @@ def compare_conv(rep_ms: int):
                {name: _median_ms(lambda: step(run), rep_ms, grad_to_none=[x, weight]) for name, run in variants.items()})
 
 
+def compare_l2norm(rep_ms: int):
+    """The q/k L2 norm of `use_qk_l2norm_in_kernel`, forward + backward of q and k as the 0.8B and 2B
+    models' layers call it: torch.compile of its torch math (what the op ran before the kernels)
+    against the Hopper kernels."""
+    from flashqla import l2norm
+
+    compiled_forward = torch.compile(l2norm._forward, dynamic=True)
+    compiled_backward = torch.compile(l2norm._backward, dynamic=True)
+
+    class Compiled(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            y, rstd = compiled_forward(x, l2norm.EPS)
+            ctx.save_for_backward(y, rstd)
+            return y
+
+        @staticmethod
+        def backward(ctx, dy):
+            return compiled_backward(dy.contiguous(), *ctx.saved_tensors)
+
+    for heads, tokens in ((16, 32768), (16, 131072), (8, 131072)):
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        pair = [torch.randn(1, tokens, heads, 128, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_()
+                for _ in range(2)]
+        upstream = [torch.randn_like(x) for x in pair]
+
+        def step(normalise):
+            torch.autograd.backward([normalise(x) for x in pair], upstream)
+
+        variants = {"torch.compile": Compiled.apply, "kernel": l2norm.l2_normalize}
+        yield (f"q, k {heads} heads 1x{tokens}",
+               {name: _median_ms(lambda: step(run), rep_ms, grad_to_none=pair) for name, run in variants.items()})
+
+
 # The chunks' gate-free inverse at the bench's large shapes and the models' (the stage FlashQLA also runs alone).
 INVERSE_SHAPES = [("16/64 1x32768", (16, 64), [32768]), ("16/64 8192x4", (16, 64), [8192] * 4),
                   ("2/8 1x32768", (2, 8), [32768]), ("2/8 1x131072", (2, 8), [131072]),
@@ -402,7 +437,8 @@ def compare_inverse(rep_ms: int):
         yield name, times
 
 
-COMPARISONS = {"keep_forward": compare_keep_forward, "conv": compare_conv, "inverse": compare_inverse}
+COMPARISONS = {"keep_forward": compare_keep_forward, "conv": compare_conv, "inverse": compare_inverse,
+               "l2norm": compare_l2norm}
 
 
 def run_comparisons(names: list[str], rep_ms: int, json_path: str | None) -> None:

@@ -1,11 +1,11 @@
 """The in-kernel L2 normalisation of q and k (`use_qk_l2norm_in_kernel=True`) for the kernel backends.
 
 y = x * r with r = (sum(x^2) + eps)^(-1/2) over the last dim, computed in float32 and rounded
-once; its gradient dx = r * (dy - y * sum(y * dy)). As plain autograd ops on bf16 tensors this
-is about a dozen memory-bound passes (forward and backward) and rounds the sum of squares to
-bf16; here it is one pass each way, compiled by torch.compile on CUDA (eager elsewhere), and the
-backward reads the normalised y, which the kernels' autograd Function keeps anyway, plus r
-(4 bytes per row).
+once; its gradient dx = r * (dy - y * sum(y * dy)). The backward reads the normalised y, which the
+kernels' autograd Function keeps anyway, plus r (4 bytes per row). On Hopper, for bf16 / fp16 rows
+of 128, one TileLang kernel each way (flashqla/hopper/l2norm.py): one read of x and one write of y
+forward, two reads and one write backward. Elsewhere (float32, float64 reference runs, CPU) the
+same math in torch ops.
 """
 from __future__ import annotations
 
@@ -26,28 +26,39 @@ def _backward(dy: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor) -> torch.Te
     return (rstd * (dy_wide - y_wide * (y_wide * dy_wide).sum(dim=-1, keepdim=True))).to(dy.dtype)
 
 
-_compiled_forward = torch.compile(_forward, dynamic=True)
-_compiled_backward = torch.compile(_backward, dynamic=True)
+def _runs_the_kernel(x: torch.Tensor) -> bool:
+    from flashqla.backends import hopper_unavailable
+    from flashqla.hopper.common import HEAD_DIM, INPUT_DTYPES
 
-
-def _on_cuda(x: torch.Tensor) -> bool:
-    # float64 runs are reference checks: eager, as the model's fused chains do
-    return x.is_cuda and x.dtype != torch.float64
+    return x.is_cuda and x.dtype in INPUT_DTYPES and x.shape[-1] == HEAD_DIM and hopper_unavailable(x.device) is None
 
 
 class L2Normalize(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, eps):
-        y, rstd = (_compiled_forward if _on_cuda(x) else _forward)(x, eps)
+        ctx.kernel = _runs_the_kernel(x)
+        if ctx.kernel:
+            from flashqla.hopper.l2norm import l2norm_forward
+
+            y, rstd = l2norm_forward(x.reshape(-1, x.shape[-1]).contiguous(), eps)
+            y = y.view(x.shape)
+        else:
+            y, rstd = _forward(x, eps)
         ctx.save_for_backward(y, rstd)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         y, rstd = ctx.saved_tensors
-        return (_compiled_backward if _on_cuda(dy) else _backward)(dy.contiguous(), y, rstd), None
+        if not ctx.kernel:
+            return _backward(dy, y, rstd), None
+        from flashqla.hopper.l2norm import l2norm_backward
+
+        width = y.shape[-1]
+        dx = l2norm_backward(dy.reshape(-1, width).contiguous(), y.reshape(-1, width), rstd)
+        return dx.view(dy.shape), None
 
 
 def l2_normalize(x: torch.Tensor, eps: float = EPS) -> torch.Tensor:
-    """x / sqrt(sum(x^2) + eps) over the last dim, in one fused pass forward and backward."""
+    """x / sqrt(sum(x^2) + eps) over the last dim (module docstring)."""
     return L2Normalize.apply(x, eps)

@@ -283,9 +283,13 @@ def main(argv=None) -> None:
             compile_walks()
             from flashqla.hopper.causal_conv import compile_conv_backward, compile_conv_forward
 
+            from flashqla.hopper.l2norm import compile_l2norm_backward, compile_l2norm_forward
+
             for conv_dtype in ("float16", "float32"):  # tests/flashqla/test_causal_conv.py (bfloat16: the checks)
                 compile_conv_forward(conv_dtype)
                 compile_conv_backward(conv_dtype)
+            compile_l2norm_forward("float16")  # tests/flashqla/test_l2norm.py, the hard inputs' fp16 case
+            compile_l2norm_backward("float16")
         if "hard" in sets:
             for heads, lens, with_h0 in HARD_CASES:
                 compile_ours([(f"hard {heads[0]}/{heads[1]} {lens}", heads, lens)], with_initial_state=with_h0)

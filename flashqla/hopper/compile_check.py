@@ -17,6 +17,7 @@ from flashqla.hopper.chunk_states import compile_chunk_states
 from flashqla.hopper.cumsum import compile_cumsum
 from flashqla.hopper.fused_forward import compile_fused_forward
 from flashqla.hopper.inverse import compile_inverse
+from flashqla.hopper.l2norm import compile_l2norm_backward, compile_l2norm_forward
 from flashqla.hopper.walk_bounds import compile_walk_bounds
 
 COMPILE_CHECKS = [
@@ -32,6 +33,8 @@ COMPILE_CHECKS = [
     ("causal_conv_backward", lambda: compile_conv_backward("bfloat16")),
     ("walk_starts", lambda: compile_walk_bounds(False)),
     ("walk_ends", lambda: compile_walk_bounds(True)),
+    ("l2norm_forward", lambda: compile_l2norm_forward("bfloat16")),
+    ("l2norm_backward", lambda: compile_l2norm_backward("bfloat16")),
 ]
 
 

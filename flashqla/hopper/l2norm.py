@@ -1,0 +1,130 @@
+"""The q/k L2 normalisation of `use_qk_l2norm_in_kernel` as two memory-bound kernels (flashqla/l2norm.py
+has the math and the autograd Function).
+
+Rows of 128 elements; 16 threads a row, each with 8 neighbouring elements (one 16-byte load), so a
+warp reads two whole rows per instruction and a row's sum is four xor-shuffles inside its 16 lanes.
+A thread loads its rows of all passes before it reduces any, so the loads of a CTA are in flight
+together. torch.compile's version of the same math ran at ~1.7 TB/s on the H200 (1.27 ms for q and
+k of 16 heads x 131072 tokens, docs/performance.md, twelfth session).
+"""
+import functools
+
+import tilelang.language as T
+import torch
+
+from flashqla.hopper.common import HEAD_DIM, compile_for_hopper, dtype_name
+
+_VECTOR = 8  # elements a thread loads at once (16 bytes of bf16 / fp16)
+_LANES = HEAD_DIM // _VECTOR  # threads a row
+_THREADS = 256
+_PASSES = 4  # rows a thread takes part in
+ROWS_PER_CTA = _THREADS // _LANES * _PASSES
+
+
+@T.macro
+def _row_sum(partial, p):
+    """partial[p] becomes its sum over the 16 lanes of this thread's row, in every one of them."""
+    for o in T.unroll(4):
+        partial[p] = partial[p] + T.shfl_xor(partial[p], (_LANES // 2) >> o)
+
+
+def l2norm_forward_program(dtype: str, eps: float):
+    rows = T.dynamic("rows")
+    f32 = "float32"
+    step = _THREADS // _LANES
+
+    @T.prim_func
+    def l2norm_forward(
+        x: T.Tensor((rows, HEAD_DIM), dtype),
+        y: T.Tensor((rows, HEAD_DIM), dtype),
+        rstd: T.Tensor((rows,), f32),
+    ):
+        with T.Kernel(T.ceildiv(rows, ROWS_PER_CTA), threads=_THREADS) as block:
+            tx = T.get_thread_binding()
+            col = (tx % _LANES) * _VECTOR
+            first = block * ROWS_PER_CTA + tx // _LANES
+            values = T.alloc_local((_PASSES, _VECTOR), f32)
+            scale = T.alloc_local((_PASSES,), f32)
+            for p in T.unroll(_PASSES):
+                # rows past the end read the last row (every lane must take part in the shuffles)
+                for j in T.vectorized(_VECTOR):
+                    values[p, j] = T.cast(x[T.min(first + p * step, rows - 1), col + j], f32)
+            for p in T.unroll(_PASSES):
+                scale[p] = 0.0
+                for j in T.unroll(_VECTOR):
+                    scale[p] = scale[p] + values[p, j] * values[p, j]
+                _row_sum(scale, p)
+                scale[p] = T.rsqrt(scale[p] + eps)
+            for p in T.unroll(_PASSES):
+                if first + p * step < rows:
+                    for j in T.vectorized(_VECTOR):
+                        y[first + p * step, col + j] = T.cast(values[p, j] * scale[p], dtype)
+                    if tx % _LANES == 0:
+                        rstd[first + p * step] = scale[p]
+
+    return l2norm_forward
+
+
+def l2norm_backward_program(dtype: str):
+    rows = T.dynamic("rows")
+    f32 = "float32"
+    step = _THREADS // _LANES
+
+    @T.prim_func
+    def l2norm_backward(
+        dy: T.Tensor((rows, HEAD_DIM), dtype),
+        y: T.Tensor((rows, HEAD_DIM), dtype),
+        rstd: T.Tensor((rows,), f32),
+        dx: T.Tensor((rows, HEAD_DIM), dtype),
+    ):
+        with T.Kernel(T.ceildiv(rows, ROWS_PER_CTA), threads=_THREADS) as block:
+            tx = T.get_thread_binding()
+            col = (tx % _LANES) * _VECTOR
+            first = block * ROWS_PER_CTA + tx // _LANES
+            upstream = T.alloc_local((_PASSES, _VECTOR), f32)
+            normalised = T.alloc_local((_PASSES, _VECTOR), f32)
+            dot = T.alloc_local((_PASSES,), f32)
+            for p in T.unroll(_PASSES):
+                for j in T.vectorized(_VECTOR):
+                    upstream[p, j] = T.cast(dy[T.min(first + p * step, rows - 1), col + j], f32)
+                for j in T.vectorized(_VECTOR):
+                    normalised[p, j] = T.cast(y[T.min(first + p * step, rows - 1), col + j], f32)
+            for p in T.unroll(_PASSES):
+                dot[p] = 0.0
+                for j in T.unroll(_VECTOR):
+                    dot[p] = dot[p] + normalised[p, j] * upstream[p, j]
+                _row_sum(dot, p)
+            for p in T.unroll(_PASSES):
+                if first + p * step < rows:
+                    for j in T.vectorized(_VECTOR):
+                        dx[first + p * step, col + j] = T.cast(
+                            rstd[first + p * step] * (upstream[p, j] - normalised[p, j] * dot[p]), dtype)
+
+    return l2norm_backward
+
+
+@functools.lru_cache(maxsize=None)
+def compile_l2norm_forward(dtype: str = "bfloat16", eps: float = 1e-6):
+    return compile_for_hopper(l2norm_forward_program(dtype, eps))
+
+
+@functools.lru_cache(maxsize=None)
+def compile_l2norm_backward(dtype: str = "bfloat16"):
+    return compile_for_hopper(l2norm_backward_program(dtype))
+
+
+def l2norm_forward(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, rstd) of x [rows, 128] contiguous bf16 / fp16: y in x's dtype, rstd float32 [rows]."""
+    y = torch.empty_like(x)
+    rstd = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+    if x.shape[0]:
+        compile_l2norm_forward(dtype_name(x), eps)(x, y, rstd)
+    return y, rstd
+
+
+def l2norm_backward(dy: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
+    """dx [rows, 128] for the forward above; dy, y contiguous in its dtype."""
+    dx = torch.empty_like(dy)
+    if dy.shape[0]:
+        compile_l2norm_backward(dtype_name(dy))(dy, y, rstd, dx)
+    return dx
