@@ -3,7 +3,7 @@ and side-by-side timings of kernel variants (--compare).
 
     python -m flashqla.bench [--fwd] [--bwd] [--json PATH] [--shapes SUBSTR,...] [--baselines fla,flashqla]
                              [--time-budget SECONDS] [--breakdown] [--model]
-    python -m flashqla.bench --compare [keep_forward,conv,inverse,l2norm] [--json PATH]
+    python -m flashqla.bench --compare [keep_forward,conv,inverse,l2norm,chunk_grads_l2norm] [--json PATH]
 
 Each library is called the way its users call it: ours through `flashqla.chunk_gated_delta_rule`
 (backend="tilelang", input checks included), FLA through its `chunk_gated_delta_rule` beneath
@@ -36,7 +36,9 @@ ratios (timings live here, not in the GPU tests, so a busy machine cannot fail a
 - keep_forward: forward + backward through the public op, keep_for_backward=False, "products" and True;
 - conv: the GDN layer's conv + SiLU, the TileLang kernel against torch.compile of its definition;
 - inverse: the chunks' inverse A~ against FlashQLA's kkt_solve;
-- l2norm: the q/k L2 norm's Hopper kernels against torch.compile of its math.
+- l2norm: the q/k L2 norm's Hopper kernels against torch.compile of its math;
+- chunk_grads_l2norm: the chunk gradients then the L2 norm's backward against the candidate that
+  fuses the two.
 """
 from __future__ import annotations
 
@@ -410,6 +412,61 @@ def compare_l2norm(rep_ms: int):
                {name: _median_ms(lambda: step(run), rep_ms, grad_to_none=pair) for name, run in variants.items()})
 
 
+def _normalised_chunk_gradient_arguments(heads, seq_lens):
+    """chunk_gradients' arguments for the model's unnormalised q, k after the L2 norm's kernel, and
+    the norm's r of q and k ([T, Hqk])."""
+    from flashqla.hopper.l2norm import l2norm_forward
+    from flashqla.testing import chunk_gradient_arguments
+
+    x = make_inputs(heads, seq_lens, like_the_model=True)
+    normalised, rstd = [], []
+    for name in ("q", "k"):
+        y, r = l2norm_forward(x[name][0].reshape(-1, 128).contiguous(), 1e-6)
+        normalised.append(y.view(x[name][0].shape))
+        rstd.append(r.view(x[name][0].shape[:2]))
+    do = torch.randn(x["v"].shape[1:], generator=torch.Generator(device="cuda").manual_seed(1),
+                     device="cuda").to(torch.bfloat16)
+    args = chunk_gradient_arguments(*normalised, x["v"][0], x["g"][0], x["beta"][0], do, x["cu_seqlens"])
+    return args, rstd
+
+
+def compare_chunk_grads_l2norm(rep_ms: int):
+    """The chunk gradients followed by the L2 norm's backward of dq and dk (what the op runs) against
+    the candidate that applies the norm's backward in the chunk-gradient kernel's epilogues
+    (`chunk_grads_program(l2norm_backward=True)`); the group sum over value heads in both. Raises
+    where the candidate's dq, dk are more than 1e-2 (relative L2) from the separate path's."""
+    from flashqla.hopper.backward_chunk_grads import chunk_gradients
+    from flashqla.hopper.l2norm import l2norm_backward
+    from flashqla.testing import relative_error
+
+    for name, heads, seq_lens in (("16/16 1x32768", (16, 16), [32768]), ("16/16 1x131072", (16, 16), [131072]),
+                                  ("8/8 1x131072", (8, 8), [131072]), ("16/64 1x32768", (16, 64), [32768])):
+        args, (q_rstd, k_rstd) = _normalised_chunk_gradient_arguments(heads, seq_lens)
+        num_qk_heads, num_v_heads = heads
+        group = num_v_heads // num_qk_heads
+
+        def group_sum(grad):
+            if group == 1:
+                return grad
+            return grad.view(grad.shape[0], num_qk_heads, group, 128).sum(2, dtype=torch.bfloat16)
+
+        def separate():
+            dq, dk = chunk_gradients(**args)[:2]
+            return [l2norm_backward(group_sum(grad).reshape(-1, 128), args[n].reshape(-1, 128), r)
+                    .view(-1, num_qk_heads, 128) for grad, n, r in ((dq, "q", q_rstd), (dk, "k", k_rstd))]
+
+        def fused():
+            dq, dk = chunk_gradients(**args, q_rstd=q_rstd, k_rstd=k_rstd)[:2]
+            return [group_sum(dq), group_sum(dk)]
+
+        for label, a, b in zip(("dq", "dk"), separate(), fused()):
+            error = float(relative_error(b, a))
+            if not error <= 1e-2:  # also catches NaN
+                raise AssertionError(f"chunk_grads_l2norm {name}: the candidate's {label} is {error:.2e} from "
+                                     "the separate path's")
+        yield name, {"separate": _median_ms(separate, rep_ms), "fused": _median_ms(fused, rep_ms)}
+
+
 # The chunks' gate-free inverse at the bench's large shapes and the models' (the stage FlashQLA also runs alone).
 INVERSE_SHAPES = [("16/64 1x32768", (16, 64), [32768]), ("16/64 8192x4", (16, 64), [8192] * 4),
                   ("2/8 1x32768", (2, 8), [32768]), ("2/8 1x131072", (2, 8), [131072]),
@@ -438,7 +495,7 @@ def compare_inverse(rep_ms: int):
 
 
 COMPARISONS = {"keep_forward": compare_keep_forward, "conv": compare_conv, "inverse": compare_inverse,
-               "l2norm": compare_l2norm}
+               "l2norm": compare_l2norm, "chunk_grads_l2norm": compare_chunk_grads_l2norm}
 
 
 def run_comparisons(names: list[str], rep_ms: int, json_path: str | None) -> None:

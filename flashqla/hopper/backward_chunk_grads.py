@@ -83,9 +83,13 @@ def tile_sum_macros(parts: int):
     return column_partials, sum_partials
 
 
-def chunk_grads_program():
+def chunk_grads_program(l2norm_backward: bool = False):
     """Kernel for K = V = 128, bf16 operands, float32 gamma and beta; head counts, lengths, scale
-    and the number of CTAs are run-time values."""
+    and the number of CTAs are run-time values. l2norm_backward: q and k are the L2 norm's outputs
+    q^, k^ and the kernel also takes their r (float32 [T, Hqk]); it writes the gradients of the norm's
+    inputs, dq = r (dq^ - q^ (q^ . dq^)) and likewise dk, per value head (the norm's backward is linear
+    in dq^, so the sum over a head group is still the caller's). A candidate: the bench's
+    comparison and its GPU test only."""
     K = V = HEAD_DIM
     BV = V
     num_v_heads = T.dynamic("num_v_heads")
@@ -96,26 +100,23 @@ def chunk_grads_program():
     f32 = "float32"
     column_partials, sum_partials = tile_sum_macros(_THREADS // _C)
 
-    @T.prim_func
-    def chunk_grads_kernel(
-        q: T.Tensor((num_tokens, num_qk_heads, K), op),
-        k: T.Tensor((num_tokens, num_qk_heads, K), op),
-        v: T.Tensor((num_tokens, num_v_heads, V), op),
-        gamma: T.Tensor((num_tokens, num_v_heads), f32),
-        beta: T.Tensor((num_tokens, num_v_heads), f32),
-        inverse: T.Tensor((num_tokens, num_v_heads, _C), op),
-        chunk_states: T.Tensor((num_chunks, num_v_heads, K, V), op),
-        chunk_state_grads: T.Tensor((num_chunks, num_v_heads, K, V), op),
-        do: T.Tensor((num_tokens, num_v_heads, V), op),
-        chunk_bounds: T.Tensor((num_chunks, 2), "int32"),
-        dq_head: T.Tensor((num_tokens, num_v_heads, K), op),
-        dk_head: T.Tensor((num_tokens, num_v_heads, K), op),
-        dv: T.Tensor((num_tokens, num_v_heads, V), op),
-        dg: T.Tensor((num_tokens, num_v_heads), f32),
-        dbeta: T.Tensor((num_tokens, num_v_heads), f32),
-        scale: T.float32,
-        num_workers: T.int32,
-    ):
+    @T.macro
+    def l2norm_backward_rows(grad, normalised_s, rstd, start, qk_head, products, row_dots):
+        """grad (C x K, float32, the gradient of the normalised rows in normalised_s) becomes the
+        gradient of the rows before the norm: r (grad - y (y . grad)) with y the normalised row.
+        products (C x K) and row_dots (C) are scratch fragments."""
+        for t, d in T.Parallel(_C, K):
+            products[t, d] = grad[t, d] * T.cast(normalised_s[t, d], f32)
+        T.reduce_sum(products, row_dots, dim=1, clear=True)
+        for t, d in T.Parallel(_C, K):
+            grad[t, d] = rstd[T.min(start + t, num_tokens - 1), qk_head] * (
+                grad[t, d] - T.cast(normalised_s[t, d], f32) * row_dots[t])
+
+    @T.macro
+    def walk_tasks(q, k, v, gamma, beta, inverse, chunk_states, chunk_state_grads, do, chunk_bounds, dq_head,
+                   dk_head, dv, dg, dbeta, scale, num_workers, q_rstd, k_rstd):
+        """The persistent CTA's walk over its tasks. q_rstd, k_rstd: None, or the L2 norm's r of q and k
+        [T, Hqk], whose backward the epilogues of dq and dk then apply (the kernel reads q^, k^)."""
         with T.Kernel(num_workers, threads=_THREADS) as worker:
             tx = T.get_thread_binding()
             group = num_v_heads // num_qk_heads
@@ -175,7 +176,7 @@ def chunk_grads_program():
             dk = T.alloc_fragment((_C, K), f32)
             ck = T.alloc_fragment((_C, K), f32)
             row_v = T.alloc_fragment((_C,), f32)  # row sums of C x BV fragments
-            row_d = T.alloc_fragment((_C,), f32)  # row sums of C x K fragments
+            row_d = T.alloc_fragment((_C,), f32)  # row sums of C x K fragments (ck: their scratch)
             gamma_next = T.alloc_var(f32)  # this thread's gamma / beta entry of the next task
             beta_next = T.alloc_var(f32)
             dg_sum = T.alloc_var(f32)  # this thread's row of dg
@@ -383,6 +384,8 @@ def chunk_grads_program():
                 T.wgmma_gemm(inv_s, pm_s, t1, transpose_A=True, clear_accum=True)
                 T.wait_wgmma(2)
                 T.warpgroup_fence_operand(dq, num_regs=_WIDE)
+                if q_rstd is not None:
+                    l2norm_backward_rows(dq, q_s, q_rstd, start, head // group, ck, row_d)
                 for t, d in T.Parallel(_C, K):
                     if t < length:
                         dq_head[start + t, head, d] = T.cast(dq[t, d], op)
@@ -418,6 +421,8 @@ def chunk_grads_program():
                 T.wgmma_gemm(ab_s, k_s, dk, transpose_A=True)
                 T.wait_wgmma(0)
                 T.warpgroup_fence_operand(dk, num_regs=_WIDE)
+                if k_rstd is not None:
+                    l2norm_backward_rows(dk, k_s, k_rstd, start, head // group, ck, row_d)
 
                 # q, k, A~ and dO are read for the last time above: load the next task's group A.
                 T.sync_threads()
@@ -457,12 +462,63 @@ def chunk_grads_program():
                 # The next task overwrites the small shared arrays read just above.
                 T.sync_threads()
 
+    if l2norm_backward:
+        @T.prim_func
+        def chunk_grads_l2norm_kernel(
+            q: T.Tensor((num_tokens, num_qk_heads, K), op),
+            k: T.Tensor((num_tokens, num_qk_heads, K), op),
+            v: T.Tensor((num_tokens, num_v_heads, V), op),
+            gamma: T.Tensor((num_tokens, num_v_heads), f32),
+            beta: T.Tensor((num_tokens, num_v_heads), f32),
+            inverse: T.Tensor((num_tokens, num_v_heads, _C), op),
+            chunk_states: T.Tensor((num_chunks, num_v_heads, K, V), op),
+            chunk_state_grads: T.Tensor((num_chunks, num_v_heads, K, V), op),
+            do: T.Tensor((num_tokens, num_v_heads, V), op),
+            chunk_bounds: T.Tensor((num_chunks, 2), "int32"),
+            dq_head: T.Tensor((num_tokens, num_v_heads, K), op),
+            dk_head: T.Tensor((num_tokens, num_v_heads, K), op),
+            dv: T.Tensor((num_tokens, num_v_heads, V), op),
+            dg: T.Tensor((num_tokens, num_v_heads), f32),
+            dbeta: T.Tensor((num_tokens, num_v_heads), f32),
+            scale: T.float32,
+            num_workers: T.int32,
+            q_rstd: T.Tensor((num_tokens, num_qk_heads), f32),
+            k_rstd: T.Tensor((num_tokens, num_qk_heads), f32),
+        ):
+            walk_tasks(q, k, v, gamma, beta, inverse, chunk_states, chunk_state_grads, do, chunk_bounds, dq_head,
+                       dk_head, dv, dg, dbeta, scale, num_workers, q_rstd, k_rstd)
+
+        return chunk_grads_l2norm_kernel
+
+    @T.prim_func
+    def chunk_grads_kernel(
+        q: T.Tensor((num_tokens, num_qk_heads, K), op),
+        k: T.Tensor((num_tokens, num_qk_heads, K), op),
+        v: T.Tensor((num_tokens, num_v_heads, V), op),
+        gamma: T.Tensor((num_tokens, num_v_heads), f32),
+        beta: T.Tensor((num_tokens, num_v_heads), f32),
+        inverse: T.Tensor((num_tokens, num_v_heads, _C), op),
+        chunk_states: T.Tensor((num_chunks, num_v_heads, K, V), op),
+        chunk_state_grads: T.Tensor((num_chunks, num_v_heads, K, V), op),
+        do: T.Tensor((num_tokens, num_v_heads, V), op),
+        chunk_bounds: T.Tensor((num_chunks, 2), "int32"),
+        dq_head: T.Tensor((num_tokens, num_v_heads, K), op),
+        dk_head: T.Tensor((num_tokens, num_v_heads, K), op),
+        dv: T.Tensor((num_tokens, num_v_heads, V), op),
+        dg: T.Tensor((num_tokens, num_v_heads), f32),
+        dbeta: T.Tensor((num_tokens, num_v_heads), f32),
+        scale: T.float32,
+        num_workers: T.int32,
+    ):
+        walk_tasks(q, k, v, gamma, beta, inverse, chunk_states, chunk_state_grads, do, chunk_bounds, dq_head,
+                   dk_head, dv, dg, dbeta, scale, num_workers, None, None)
+
     return chunk_grads_kernel
 
 
 @functools.lru_cache(maxsize=None)
-def compile_chunk_grads():
-    return compile_for_hopper(chunk_grads_program(), fast_math=True)
+def compile_chunk_grads(l2norm_backward: bool = False):
+    return compile_for_hopper(chunk_grads_program(l2norm_backward), fast_math=True)
 
 
 def chunk_bounds(cu_seqlens: torch.Tensor, chunk_index: torch.Tensor) -> torch.Tensor:
@@ -475,14 +531,16 @@ def chunk_bounds(cu_seqlens: torch.Tensor, chunk_index: torch.Tensor) -> torch.T
 
 
 def chunk_gradients(q, k, v, gamma, beta, inverse, chunk_states, chunk_state_grads, do, scale, cu_seqlens,
-                       chunk_index, num_workers: int | None = None):
+                       chunk_index, num_workers: int | None = None, q_rstd=None, k_rstd=None):
     """Run the kernel on flattened inputs; returns (dq, dk per value head, dv, dg, dbeta).
 
     q, k: [T, Hqk, 128] bf16; v, do: [T, Hv, 128] bf16; gamma (chunk-local cumsum), beta: [T, Hv] fp32;
     inverse: [T, Hv, 64] bf16; chunk_states (entering each chunk), chunk_state_grads (leaving it):
     [num_chunks, Hv, 128, 128] bf16 in chunk_index order; cu_seqlens: int32 [N + 1];
     chunk_index: int32 [num_chunks, 2] (sequence, chunk within it); num_workers (CTAs) defaults to
-    the SM count.
+    the SM count. q_rstd, k_rstd (float32 [T, Hqk], both or neither): q, k are L2-normalised
+    (flashqla/hopper/l2norm.py) with these r, and dq, dk come back as the gradients of the
+    unnormalised inputs (the candidate `chunk_grads_program(l2norm_backward=True)`).
     dq, dk, dv: bf16 [T, Hv, 128]; dg, dbeta: float32 [T, Hv].
     """
     num_tokens, _, head_dim = q.shape
@@ -500,6 +558,10 @@ def chunk_gradients(q, k, v, gamma, beta, inverse, chunk_states, chunk_state_gra
             num_workers = device_sm_count(q.device)
         num_workers = max(1, min(num_workers, num_chunks * num_v_heads))
         bounds = chunk_bounds(cu_seqlens, chunk_index)
-        compile_chunk_grads()(q, k, v, gamma, beta, inverse, chunk_states, chunk_state_grads, do, bounds, dq_head,
-                              dk_head, dv, dg, dbeta, float(scale), num_workers)
+        args = (q, k, v, gamma, beta, inverse, chunk_states, chunk_state_grads, do, bounds, dq_head, dk_head, dv, dg,
+                dbeta, float(scale), num_workers)
+        if q_rstd is None:
+            compile_chunk_grads()(*args)
+        else:
+            compile_chunk_grads(l2norm_backward=True)(*args, q_rstd, k_rstd)
     return dq_head, dk_head, dv, dg, dbeta

@@ -6,7 +6,9 @@ are checked through `backward` in tests/flashqla/test_hopper_backward.py; here, 
 CPU checks (need nvcc only): its generated CUDA waits for every TMA load group before the first
 read and refills it only after the last one, and no TMA-filled buffer shares shared memory with
 another buffer (the two races seen on the device while it was written were of these kinds).
-GPU: the number of persistent CTAs does not change the result.
+GPU: the number of persistent CTAs does not change the result; the candidate that applies the L2
+norm's backward in the epilogues (`chunk_grads_program(l2norm_backward=True)`) gives the norm's
+backward of the kernel's dq, dk (float64 math) and the kernel's dv, dg, dbeta bitwise.
 """
 import re
 import shutil
@@ -14,7 +16,7 @@ import shutil
 import pytest
 import torch
 
-from hopper_grid import RAGGED, make_backward_inputs, on_hopper, poison_allocator
+from hopper_grid import RAGGED, make_backward_inputs, on_hopper, poison_allocator, sequence_head_errors
 
 TMA_GROUPS = {"loads_a": ("q_s", "k_s", "inv_s", "do_s"), "loads_b": ("w_s", "s0_s", "ds_s")}
 # Largest dynamic shared memory one H100/H200 CTA may use (227 KB), less 1 KB of static barriers.
@@ -35,17 +37,23 @@ def test_chunk_bounds_of_ragged_batch():
     assert bounds.tolist() == [[0, 64], [64, 36], [100, 64], [164, 1]]
 
 
+@pytest.fixture(scope="module", params=[False, True], ids=["kernel", "l2norm_backward_candidate"])
+def l2norm_backward(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def kernel_source():
+def kernel_source(l2norm_backward):
     from flashqla.hopper.backward_chunk_grads import compile_chunk_grads
 
-    return compile_chunk_grads().get_kernel_source()
+    return compile_chunk_grads(l2norm_backward).get_kernel_source()
 
 
 @needs_nvcc
 def test_load_groups_are_waited_before_reads_and_refilled_after_last_read(kernel_source):
-    """Inside the task loop, for each mbarrier group: no read of its buffers before the wait, a
-    wgmma wait and a block barrier between the last read and the refill, no read after it."""
+    """Inside the task loop, for each mbarrier group: no read of its buffers before the wait; before
+    the refill, a wgmma wait after the last product reading them and a block barrier after their last
+    read; no read after it."""
     lines = kernel_source.splitlines()
     wait_at = {group: next(i for i, line in enumerate(lines) if f"{group}[0].wait(" in line) for group in TMA_GROUPS}
     loop_start = max(i for i, line in enumerate(lines[:min(wait_at.values())])
@@ -60,17 +68,19 @@ def test_load_groups_are_waited_before_reads_and_refilled_after_last_read(kernel
         assert uses, group
         assert min(uses) > wait_at[group], f"{group}: read at line {min(uses)} before its wait"
         assert max(uses) < refill_at, f"{group}: read at line {max(uses)} after its refill"
-        between = lines[max(uses):refill_at]
-        # every product issued before the refill has been waited for (T.wait_wgmma(0), or T.gemm's own wait)
-        assert any("wait_wgmma<0>" in line or "warpgroup_wait<0>" in line for line in between), group
-        assert any("__syncthreads()" in line for line in between), group
+        # every product reading the buffers has been waited for (T.wait_wgmma(0), or T.gemm's own wait)
+        # after it was issued (its descriptor made), and every thread is past its last read
+        last_product = max(i for i in uses if "wgmma_descriptor" in lines[i])
+        assert any("wait_wgmma<0>" in line or "warpgroup_wait<0>" in line
+                   for line in lines[last_product:refill_at]), group
+        assert any("__syncthreads()" in line for line in lines[max(uses):refill_at]), group
 
 
 @needs_nvcc
-def test_tma_buffers_share_no_shared_memory(kernel_source):
+def test_tma_buffers_share_no_shared_memory(l2norm_backward, kernel_source):
     from flashqla.hopper.backward_chunk_grads import TMA_BUFFERS, chunk_grads_program
 
-    assert_tma_buffers_alone(chunk_grads_program(), kernel_source, TMA_BUFFERS)
+    assert_tma_buffers_alone(chunk_grads_program(l2norm_backward), kernel_source, TMA_BUFFERS)
 
 
 def assert_tma_buffers_alone(program, kernel_source, tma_buffers):
@@ -138,3 +148,50 @@ def test_worker_count_does_not_change_the_gradients(heads, num_workers):
     walked = run_kernel(chunk_gradients, args, num_workers=num_workers)
     for name, a, b in zip(OUTPUT_NAMES, walked, per_sm):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.gpu
+@requires_hopper
+@pytest.mark.parametrize("lengths", [RAGGED, [8192]], ids=["ragged", "1x8192"])
+@pytest.mark.parametrize("heads", [(16, 16), (8, 8), (4, 16)], ids=["16_16", "8_8", "4_16"])
+def test_l2norm_backward_candidate(heads, lengths):
+    """q, k enter unnormalised (row norms 0.1-8) and go through the L2 norm's kernel; the separate
+    path's dq, dk are the kernel's (bf16) put through r (dy - y (y . dy)) in float64 per value head
+    (the norm's backward is linear, so per head and after the group sum agree)."""
+    from flashqla.hopper.backward_chunk_grads import chunk_gradients
+    from flashqla.hopper.l2norm import l2norm_forward
+    from flashqla.testing import relative_error
+
+    num_qk_heads, num_v_heads = heads
+    group = num_v_heads // num_qk_heads
+    args = kernel_inputs(lengths, *heads)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    rstd = {}
+    for name in ("q", "k"):
+        # the grid's q, k are unit rows: rescaled, they normalise back to themselves (up to rounding),
+        # so the inverse in args still belongs to the keys
+        norms = torch.empty(args[name].shape[:2] + (1,), device="cuda").uniform_(0.1, 8, generator=gen)
+        y, r = l2norm_forward((args[name] * norms).to(torch.bfloat16).reshape(-1, 128).contiguous(), 1e-6)
+        args[name], rstd[name] = y.view(args[name].shape), r.view(args[name].shape[:2])
+    separate = run_kernel(chunk_gradients, args)
+    fused = run_kernel(chunk_gradients, args, q_rstd=rstd["q"], k_rstd=rstd["k"])
+    again = run_kernel(chunk_gradients, args, q_rstd=rstd["q"], k_rstd=rstd["k"])
+    report = []
+    for index, name in ((0, "q"), (1, "k")):
+        y = args[name].double().repeat_interleave(group, dim=1)  # [T, Hv, 128]
+        r = rstd[name].double().repeat_interleave(group, dim=1)[..., None]
+        dy = separate[index].double()
+        expected = r * (dy - y * (y * dy).sum(-1, keepdim=True))
+        got = fused[index]
+        assert not got.isnan().any(), f"d{name}: NaN (an unwritten row?)"
+        over_tensor = relative_error(got, expected)
+        worst = sequence_head_errors(got[None], expected[None], lengths).worst
+        report.append(f"d{name} {over_tensor:.2e} (worst slice {worst:.2e})")
+        # the separate path rounds dq^ to bf16 before the norm's backward; the fused one does not
+        assert over_tensor <= 4e-3 and worst <= 2e-2, "; ".join(report)
+    print("; ".join(report))
+    # dv, dg and dbeta are the same instructions on the same tiles
+    for name, a, b in list(zip(OUTPUT_NAMES, separate, fused))[2:]:
+        assert torch.equal(a, b), name
+    for name, a, b in zip(OUTPUT_NAMES, fused, again):
+        assert torch.equal(a, b), f"{name}: not deterministic"
