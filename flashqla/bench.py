@@ -222,7 +222,7 @@ def backward_breakdown(inputs: dict, rep_ms: int, like_the_model: bool = False) 
     backward of q and k."""
     from triton.testing import do_bench
 
-    from flashqla.hopper.backward import MAX_VALUE_BLOCK, state_gradient_walk
+    from flashqla.hopper.backward import MAX_VALUE_BLOCK, state_gradient_walk, sum_over_groups
     from flashqla.hopper.backward_chunk_grads import chunk_gradients
     from flashqla.hopper.backward_state_grads import state_gradients
     from flashqla.hopper.chunk_plan import plan_forward
@@ -273,8 +273,7 @@ def backward_breakdown(inputs: dict, rep_ms: int, like_the_model: bool = False) 
         upstream = [torch.randn_like(y) for y in normalised]
         stages["l2norm_backward"] = lambda: torch.autograd.grad(normalised, raw, upstream, retain_graph=True)
     if num_v_heads > num_qk_heads:
-        group = num_v_heads // num_qk_heads
-        stages["group_sum"] = lambda: dq_head.view(num_tokens, num_qk_heads, group, 128).sum(2, dtype=torch.bfloat16)
+        stages["group_sum"] = lambda: sum_over_groups(dq_head, num_qk_heads, q.dtype)
     return {name: do_bench(fn, warmup=10, rep=rep_ms, return_mode="median") for name, fn in stages.items()}
 
 
@@ -418,12 +417,13 @@ def _normalised_chunk_gradient_arguments(heads, seq_lens):
     """chunk_gradients' arguments for the model's unnormalised q, k after the L2 norm's kernel, and
     the norm's r of q and k ([T, Hqk])."""
     from flashqla.hopper.l2norm import l2norm_forward
+    from flashqla.l2norm import EPS
     from flashqla.testing import chunk_gradient_arguments
 
     x = make_inputs(heads, seq_lens, like_the_model=True)
     normalised, rstd = [], []
     for name in ("q", "k"):
-        y, r = l2norm_forward(x[name][0].reshape(-1, 128).contiguous(), 1e-6)
+        y, r = l2norm_forward(x[name][0].reshape(-1, 128).contiguous(), EPS)
         normalised.append(y.view(x[name][0].shape))
         rstd.append(r.view(x[name][0].shape[:2]))
     do = torch.randn(x["v"].shape[1:], generator=torch.Generator(device="cuda").manual_seed(1),
@@ -437,6 +437,7 @@ def compare_chunk_grads_l2norm(rep_ms: int):
     the candidate that applies the norm's backward in the chunk-gradient kernel's epilogues
     (`chunk_grads_program(l2norm_backward=True)`); the group sum over value heads in both. Raises
     where the candidate's dq, dk are more than 1e-2 (relative L2) from the separate path's."""
+    from flashqla.hopper.backward import sum_over_groups
     from flashqla.hopper.backward_chunk_grads import chunk_gradients
     from flashqla.hopper.l2norm import l2norm_backward
     from flashqla.testing import relative_error
@@ -444,13 +445,10 @@ def compare_chunk_grads_l2norm(rep_ms: int):
     for name, heads, seq_lens in (("16/16 1x32768", (16, 16), [32768]), ("16/16 1x131072", (16, 16), [131072]),
                                   ("8/8 1x131072", (8, 8), [131072]), ("16/64 1x32768", (16, 64), [32768])):
         args, (q_rstd, k_rstd) = _normalised_chunk_gradient_arguments(heads, seq_lens)
-        num_qk_heads, num_v_heads = heads
-        group = num_v_heads // num_qk_heads
+        num_qk_heads = heads[0]
 
         def group_sum(grad):
-            if group == 1:
-                return grad
-            return grad.view(grad.shape[0], num_qk_heads, group, 128).sum(2, dtype=torch.bfloat16)
+            return sum_over_groups(grad, num_qk_heads, torch.bfloat16)
 
         def separate():
             dq, dk = chunk_gradients(**args)[:2]

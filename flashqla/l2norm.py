@@ -27,10 +27,11 @@ def _backward(dy: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor) -> torch.Te
 
 
 def _runs_the_kernel(x: torch.Tensor) -> bool:
+    """Whether the Hopper kernels take x: the device and the rows the GDN kernels take (q's checks)."""
     from flashqla.backends import hopper_unavailable
-    from flashqla.hopper.common import HEAD_DIM, INPUT_DTYPES
+    from flashqla.hopper.common import unsupported_inputs
 
-    return x.is_cuda and x.dtype in INPUT_DTYPES and x.shape[-1] == HEAD_DIM and hopper_unavailable(x.device) is None
+    return hopper_unavailable(x.device) is None and unsupported_inputs(x, x) is None
 
 
 class L2Normalize(torch.autograd.Function):

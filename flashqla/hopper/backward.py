@@ -48,7 +48,6 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seq
         raise ValueError(f"flashqla.hopper.backward {reason}")
     batch_size, seq_len, num_qk_heads, _ = q.shape
     num_v_heads = v.shape[2]
-    group = num_v_heads // num_qk_heads
     num_tokens = batch_size * seq_len
     device = q.device
     if cu_seqlens is None:
@@ -97,13 +96,7 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seq
     dq_head, dk_head, dv, dg, dbeta = chunk_gradients(q_flat, k_flat, v_flat, gamma, beta_flat, inverse, states,
                                                       state_grads, do_flat, scale, cu_seqlens, chunk_index)
 
-    # Deterministic reduction over the value heads sharing a q/k head, accumulated in float32 and
-    # rounded once: straight to bf16 for bf16 inputs (one pass), through float32 for float16.
-    dq, dk = dq_head, dk_head
-    if group > 1:
-        sum_dtype = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
-        dq = dq_head.view(num_tokens, num_qk_heads, group, HEAD_DIM).sum(2, dtype=sum_dtype)
-        dk = dk_head.view(num_tokens, num_qk_heads, group, HEAD_DIM).sum(2, dtype=sum_dtype)
+    dq, dk = (sum_over_groups(grad, num_qk_heads, q.dtype) for grad in (dq_head, dk_head))
     return (
         dq.view(q.shape).to(q.dtype),
         dk.view(k.shape).to(k.dtype),
@@ -112,6 +105,17 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seq
         dbeta.view(beta.shape),
         dh0,
     )
+
+
+def sum_over_groups(head_grads: torch.Tensor, num_qk_heads: int, dtype: torch.dtype) -> torch.Tensor:
+    """[T, Hqk, 128] from per-value-head gradients [T, Hv, 128] (head_grads itself when Hv = Hqk): a
+    deterministic reduction over the value heads sharing a q/k head, accumulated in float32 and
+    rounded once, straight to bf16 for bf16 inputs (dtype; one pass), through float32 for float16."""
+    num_tokens, num_v_heads, width = head_grads.shape
+    if num_v_heads == num_qk_heads:
+        return head_grads
+    sum_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+    return head_grads.view(num_tokens, num_qk_heads, num_v_heads // num_qk_heads, width).sum(2, dtype=sum_dtype)
 
 
 def state_gradient_walk(plan, gamma, cu_seqlens, cu_seqlens_host: list[int], num_v_heads: int, sm_count: int,

@@ -160,6 +160,7 @@ def test_l2norm_backward_candidate(heads, lengths):
     (the norm's backward is linear, so per head and after the group sum agree)."""
     from flashqla.hopper.backward_chunk_grads import chunk_gradients
     from flashqla.hopper.l2norm import l2norm_forward
+    from flashqla.l2norm import EPS
     from flashqla.testing import relative_error
 
     num_qk_heads, num_v_heads = heads
@@ -171,7 +172,7 @@ def test_l2norm_backward_candidate(heads, lengths):
         # the grid's q, k are unit rows: rescaled, they normalise back to themselves (up to rounding),
         # so the inverse in args still belongs to the keys
         norms = torch.empty(args[name].shape[:2] + (1,), device="cuda").uniform_(0.1, 8, generator=gen)
-        y, r = l2norm_forward((args[name] * norms).to(torch.bfloat16).reshape(-1, 128).contiguous(), 1e-6)
+        y, r = l2norm_forward((args[name] * norms).to(torch.bfloat16).reshape(-1, 128).contiguous(), EPS)
         args[name], rstd[name] = y.view(args[name].shape), r.view(args[name].shape[:2])
     separate = run_kernel(chunk_gradients, args)
     fused = run_kernel(chunk_gradients, args, q_rstd=rstd["q"], k_rstd=rstd["k"])
