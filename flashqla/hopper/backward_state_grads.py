@@ -25,15 +25,12 @@ _C = CHUNK_SIZE
 _THREADS = 128
 
 
-def state_grads_program(value_block: int = 32, pieces: bool = False, overlap: bool = False):
+def state_grads_program(value_block: int = 32, pieces: bool = False):
     """pieces=False: one CTA per (V block, head, sequence).
     pieces=True (what backward.py runs where the forward's plan cut a sequence): one CTA per (V block,
     head, piece of a sequence); the CTA starts at walk_end[piece, head] (the sequence end, from dht,
     or a chunk boundary after the piece, from zero: a decay-truncated warm-up), stores dS only for
-    the piece's own chunks, and writes dh0 only when the piece starts its sequence.
-    overlap=True, a candidate (the bench's comparison and its GPU test only): the three products of
-    a chunk that do not need dDelta (K dS, Pm^T dO, Q^T (scale D dO)) are issued together without
-    waiting (T.wgmma_gemm), so one chunk's chain is three products deep instead of five."""
+    the piece's own chunks, and writes dh0 only when the piece starts its sequence."""
     K = V = HEAD_DIM
     BV = value_block
     num_value_blocks = V // BV
@@ -91,8 +88,6 @@ def state_grads_program(value_block: int = 32, pieces: bool = False, overlap: bo
             ds = T.alloc_fragment((K, BV), f32)
             d_delta = T.alloc_fragment((_C, BV), f32)
             dw = T.alloc_fragment((_C, BV), f32)
-            if overlap:
-                pm_do = T.alloc_fragment((_C, BV), f32)  # Pm^T dO, added to E K dS once both are done
 
             if pieces:
                 if walk_last == eos:
@@ -134,45 +129,19 @@ def state_grads_program(value_block: int = 32, pieces: bool = False, overlap: bo
                     dog_s[t, d] = T.if_then_else(
                         t <= last, T.cast(scale * T.exp(gam_s[t]) * T.cast(do_s[t, d], f32), op), T.cast(0, op))
 
-                if overlap:
-                    # a fence after each wait names the accumulator's registers a thread holds, so its
-                    # reads stay below the wait (the default would be the whole fragment's count)
-                    # dS is scaled before any product is in flight: ptxas serialises the products
-                    # (C7517) when registers a product once wrote are touched while others run
-                    for i, j in T.Parallel(K, BV):
-                        ds[i, j] = ds[i, j] * T.exp(gam_s[_C - 1])
-                    T.wgmma_gemm(k_s, ds_s, d_delta, clear_accum=True)
-                    T.wgmma_gemm(pm_m_s, do_s, pm_do, transpose_A=True, clear_accum=True)
-                    T.wgmma_gemm(q_s, dog_s, ds, transpose_A=True)
-                    T.wait_wgmma(1)  # K dS and Pm^T dO are done; Q^T (scale D dO) may still run
-                    T.warpgroup_fence_operand(d_delta, num_regs=_C * BV // _THREADS)
-                    T.warpgroup_fence_operand(pm_do, num_regs=_C * BV // _THREADS)
-                    for t, d in T.Parallel(_C, BV):
-                        d_delta_s[t, d] = T.if_then_else(
-                            t <= last, T.cast(d_delta[t, d] * T.exp(gam_s[_C - 1] - gam_s[t]) + pm_do[t, d], op),
-                            T.cast(0, op))
-                    T.wgmma_gemm(ab_s, d_delta_s, dw, transpose_A=True, clear_accum=True)
-                    T.wait_wgmma(0)
-                    T.warpgroup_fence_operand(dw, num_regs=_C * BV // _THREADS)
-                    for t, d in T.Parallel(_C, BV):
-                        du_s[t, d] = T.cast(-T.exp(gam_s[t]) * dw[t, d], op)
-                    T.wgmma_gemm(k_s, du_s, ds, transpose_A=True)
-                    T.wait_wgmma(0)
-                    T.warpgroup_fence_operand(ds, num_regs=K * BV // _THREADS)
-                else:
-                    T.gemm(k_s, ds_s, d_delta, clear_accum=True)
-                    for t, d in T.Parallel(_C, BV):
-                        d_delta[t, d] = d_delta[t, d] * T.exp(gam_s[_C - 1] - gam_s[t])
-                    T.gemm(pm_m_s, do_s, d_delta, transpose_A=True)
-                    for t, d in T.Parallel(_C, BV):
-                        d_delta_s[t, d] = T.if_then_else(t <= last, T.cast(d_delta[t, d], op), T.cast(0, op))
-                    T.gemm(ab_s, d_delta_s, dw, transpose_A=True, clear_accum=True)
-                    for t, d in T.Parallel(_C, BV):
-                        du_s[t, d] = T.cast(-T.exp(gam_s[t]) * dw[t, d], op)
-                    for i, j in T.Parallel(K, BV):
-                        ds[i, j] = ds[i, j] * T.exp(gam_s[_C - 1])
-                    T.gemm(q_s, dog_s, ds, transpose_A=True)
-                    T.gemm(k_s, du_s, ds, transpose_A=True)
+                T.gemm(k_s, ds_s, d_delta, clear_accum=True)
+                for t, d in T.Parallel(_C, BV):
+                    d_delta[t, d] = d_delta[t, d] * T.exp(gam_s[_C - 1] - gam_s[t])
+                T.gemm(pm_m_s, do_s, d_delta, transpose_A=True)
+                for t, d in T.Parallel(_C, BV):
+                    d_delta_s[t, d] = T.if_then_else(t <= last, T.cast(d_delta[t, d], op), T.cast(0, op))
+                T.gemm(ab_s, d_delta_s, dw, transpose_A=True, clear_accum=True)
+                for t, d in T.Parallel(_C, BV):
+                    du_s[t, d] = T.cast(-T.exp(gam_s[t]) * dw[t, d], op)
+                for i, j in T.Parallel(K, BV):
+                    ds[i, j] = ds[i, j] * T.exp(gam_s[_C - 1])
+                T.gemm(q_s, dog_s, ds, transpose_A=True)
+                T.gemm(k_s, du_s, ds, transpose_A=True)
 
             if pieces:
                 if walk_first == bos:
@@ -184,21 +153,19 @@ def state_grads_program(value_block: int = 32, pieces: bool = False, overlap: bo
 
 
 @functools.lru_cache(maxsize=None)
-def compile_state_grads(value_block: int = 32, pieces: bool = False, overlap: bool = False):
-    return compile_for_hopper(state_grads_program(value_block, pieces, overlap), fast_math=True)
+def compile_state_grads(value_block: int = 32, pieces: bool = False):
+    return compile_for_hopper(state_grads_program(value_block, pieces), fast_math=True)
 
 
 def state_gradients(q, k, gamma, gated_inverse, scores, do, dht, scale, cu_seqlens, offsets, num_chunks,
-                    value_block, pieces: torch.Tensor | None = None, walk_end: torch.Tensor | None = None,
-                    overlap: bool = False):
+                    value_block, pieces: torch.Tensor | None = None, walk_end: torch.Tensor | None = None):
     """(dS leaving every chunk, bf16 [num_chunks, Hv, 128, 128]; dh0, float32 [N, Hv, 128, 128]).
 
     q, k: [T, Hqk, 128] bf16; gamma (chunk-local cumsum): [T, Hv] fp32; gated_inverse (Ab), scores
     (Pm, including scale): [T, Hv, 64] bf16 from the forward (forward.KeptForward); do: [T, Hv, 128] bf16;
     dht: [N, Hv, 128, 128] fp32; cu_seqlens, offsets: int32 [N + 1].
     pieces, walk_end: a forward plan's pieces (every sequence covered by one or more) and
-    their walk_bounds(ahead=True); both None walks every sequence whole. overlap: the candidate of
-    state_grads_program.
+    their walk_bounds(ahead=True); both None walks every sequence whole.
     """
     if (pieces is None) != (walk_end is None):
         raise ValueError("state_gradients: pass pieces and walk_end together, or neither")
@@ -210,6 +177,6 @@ def state_gradients(q, k, gamma, gated_inverse, scores, do, dht, scale, cu_seqle
     if not with_pieces:  # placeholders, unread by the whole-sequence kernel
         pieces = torch.zeros(1, PIECE_FIELDS, dtype=torch.int32, device=q.device)
         walk_end = torch.zeros(1, num_v_heads, dtype=torch.int32, device=q.device)
-    compile_state_grads(value_block, with_pieces, overlap)(q, k, gamma, gated_inverse, scores, do, dht, cu_seqlens,
-                                                           offsets, grads, dh0, pieces, walk_end, float(scale))
+    compile_state_grads(value_block, with_pieces)(q, k, gamma, gated_inverse, scores, do, dht, cu_seqlens, offsets,
+                                                  grads, dh0, pieces, walk_end, float(scale))
     return grads, dh0
