@@ -155,13 +155,16 @@ def implementations(baselines: list[str], host_offsets: bool = True, backend: st
 
 def _breakdown_operands(inputs: dict, like_the_model: bool):
     """The kernels' flattened operands for the stage timings: q, k normalised here when the op would
-    normalise them in the kernel (like_the_model), beta as given."""
-    from flashqla.l2norm import l2_normalize
+    normalise them in the kernel (like_the_model), beta as given; and the norm's r of q and k
+    ([T, Hqk] each, or None)."""
+    from flashqla.hopper.autograd import l2_normalized
 
     q, k, v, g, beta = (inputs[n][0] for n in ("q", "k", "v", "g", "beta"))
+    rstds = (None, None)
     if like_the_model:
-        q, k = l2_normalize(q), l2_normalize(k)
-    return q, k, v, g, beta
+        (q, q_rstd), (k, k_rstd) = l2_normalized(q), l2_normalized(k)
+        rstds = (q_rstd.view(q.shape[:2]), k_rstd.view(k.shape[:2]))
+    return q, k, v, g, beta, rstds
 
 
 def forward_breakdown(inputs: dict, rep_ms: int, like_the_model: bool = False) -> dict:
@@ -175,10 +178,10 @@ def forward_breakdown(inputs: dict, rep_ms: int, like_the_model: bool = False) -
     from flashqla.hopper.forward import walk_chunks
     from flashqla.hopper.fused_forward import MAX_VALUE_BLOCK
     from flashqla.hopper.inverse import chunk_inverse
+    from flashqla.hopper.autograd import l2_normalized
     from flashqla.hopper.walk_bounds import walk_bounds
-    from flashqla.l2norm import l2_normalize
 
-    q, k, v, g, beta = _breakdown_operands(inputs, like_the_model)
+    q, k, v, g, beta, _ = _breakdown_operands(inputs, like_the_model)
     h0 = inputs["initial_state"]
     cu = inputs["cu_seqlens"]
     bounds = cu.tolist()
@@ -204,7 +207,7 @@ def forward_breakdown(inputs: dict, rep_ms: int, like_the_model: bool = False) -
         "walk": walk,  # walk starts included
     }
     if like_the_model:
-        stages["l2norm"] = lambda: (l2_normalize(inputs["q"]), l2_normalize(inputs["k"]))
+        stages["l2norm"] = lambda: (l2_normalized(inputs["q"]), l2_normalized(inputs["k"]))
         stages["walk_keeping_products"] = lambda: walk(store_products=True)
         stages["walk_keeping_all"] = lambda: walk(store_products=True, store_chunk_states=True)
     result = {name: do_bench(fn, warmup=10, rep=rep_ms, return_mode="median") for name, fn in stages.items()}
@@ -215,9 +218,9 @@ def forward_breakdown(inputs: dict, rep_ms: int, like_the_model: bool = False) -
 
 def backward_breakdown(inputs: dict, rep_ms: int, like_the_model: bool = False) -> dict:
     """Median ms of each stage of our backward given the kept forward: the warm-up ends of the
-    pieces, the state-gradient walk, the chunk gradients, the dq/dk sums over each value-head group,
-    and the walk that "products" adds (the chunk states rebuilt); like_the_model adds the L2 norm's
-    backward of q and k."""
+    pieces, the state-gradient walk, the chunk gradients (with like_the_model, the L2 norm's
+    backward in their epilogues), the dq/dk sums over each value-head group, and the walk that
+    "products" adds (the chunk states rebuilt)."""
     from triton.testing import do_bench
 
     from flashqla.hopper.backward import MAX_VALUE_BLOCK, state_gradient_walk, sum_over_groups
@@ -228,7 +231,7 @@ def backward_breakdown(inputs: dict, rep_ms: int, like_the_model: bool = False) 
     from flashqla.hopper.fused_forward import MAX_VALUE_BLOCK as FORWARD_MAX_VALUE_BLOCK
     from flashqla.hopper.walk_bounds import walk_bounds
 
-    q, k, v, g, beta = _breakdown_operands(inputs, like_the_model)
+    q, k, v, g, beta, (q_rstd, k_rstd) = _breakdown_operands(inputs, like_the_model)
     h0 = inputs["initial_state"]
     cu = inputs["cu_seqlens"]
     num_tokens, num_v_heads = g.shape
@@ -252,7 +255,7 @@ def backward_breakdown(inputs: dict, rep_ms: int, like_the_model: bool = False) 
 
     def chunk_grads():
         return chunk_gradients(q, k, v, gamma, beta32, kept.inverse, kept.chunk_states, state_grad_tensor, do,
-                               128 ** -0.5, cu, plan.chunk_index)
+                               128 ** -0.5, cu, plan.chunk_index, q_rstd=q_rstd, k_rstd=k_rstd)
 
     dq_head = chunk_grads()[0]
     stages = {
@@ -263,13 +266,6 @@ def backward_breakdown(inputs: dict, rep_ms: int, like_the_model: bool = False) 
     }
     if plan.max_walk_back > 0:
         stages["walk_ends"] = lambda: walk_bounds(gamma, plan.pieces, cu, ahead=True)
-    if like_the_model:
-        from flashqla.l2norm import l2_normalize
-
-        raw = [inputs[name][0].detach().requires_grad_(True) for name in ("q", "k")]
-        normalised = [l2_normalize(x) for x in raw]
-        upstream = [torch.randn_like(y) for y in normalised]
-        stages["l2norm_backward"] = lambda: torch.autograd.grad(normalised, raw, upstream, retain_graph=True)
     if num_v_heads > num_qk_heads:
         stages["group_sum"] = lambda: sum_over_groups(dq_head, num_qk_heads, q.dtype)
     return {name: do_bench(fn, warmup=10, rep=rep_ms, return_mode="median") for name, fn in stages.items()}

@@ -1,11 +1,17 @@
 """The "tilelang" backend's runner: the Hopper forward and backward entries joined for autograd.
 
+With use_qk_l2norm_in_kernel the q/k L2 norm is part of the Function: its forward is a kernel of
+its own (flashqla/hopper/l2norm.py), and its backward runs in the chunk-gradient kernel's epilogues
+(backward_chunk_grads.py), which need only the norm's r (4 bytes a row) besides q^, k^ the
+backward keeps anyway.
+
 The kernel modules are imported inside forward and backward: this module, and the backend
 registry that names it, import without tilelang.
 """
 import torch
 
-from flashqla.l2norm import l2_normalize
+# as HF Qwen3.5's torch path and FLA's kernels
+L2NORM_EPS = 1e-6
 
 
 def chunk_gated_delta_rule_hopper(q, k, v, g, beta, scale, initial_state, output_final_state,
@@ -14,14 +20,13 @@ def chunk_gated_delta_rule_hopper(q, k, v, g, beta, scale, initial_state, output
     the offsets as a list or None). keep_for_backward (True, "products" or False, as the public op
     takes it): what the forward keeps of its intermediates for the backward, which they are only
     when autograd will run one (see keeps_for_backward)."""
-    if use_qk_l2norm_in_kernel:
-        q, k = l2_normalize(q), l2_normalize(k)
     # Saved for the backward as contiguous tensors: a view (v split from the layer's fused conv
     # output, say) would keep its whole base alive until the backward.
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     keep = bool(keep_for_backward) and keeps_for_backward(q, k, v, g, beta, initial_state)
     return ChunkGatedDeltaRuleFunction.apply(q, k, v, g, beta, scale, initial_state, output_final_state,
-                                             cu_seqlens, cu_seqlens_host, keep, keep_for_backward is True)
+                                             cu_seqlens, cu_seqlens_host, use_qk_l2norm_in_kernel, keep,
+                                             keep_for_backward is True)
 
 
 def keeps_for_backward(*inputs) -> bool:
@@ -31,20 +36,34 @@ def keeps_for_backward(*inputs) -> bool:
     return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs)
 
 
+def l2_normalized(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x / sqrt(sum(x^2) + eps) over the last dim, in x's dtype and shape; its r, float32 [rows])."""
+    from flashqla.hopper.l2norm import l2norm_forward
+
+    y, rstd = l2norm_forward(x.reshape(-1, x.shape[-1]), L2NORM_EPS)
+    return y.view(x.shape), rstd
+
+
 class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
-    """Saves the inputs and, when `keep`, the forward's gamma, A~, Ab, P and (with `keep_chunk_states`)
-    chunk states (forward.KeptForward), which the backward then does not recompute."""
+    """Saves the inputs (q, k normalised, with their r, under `l2norm`) and, when `keep`, the forward's
+    gamma, A~, Ab, P and (with `keep_chunk_states`) chunk states (forward.KeptForward), which the
+    backward then does not recompute."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_host,
-                keep=False, keep_chunk_states=True):
+                l2norm=False, keep=False, keep_chunk_states=True):
         from flashqla.hopper import forward
 
+        rstds = ()
+        if l2norm:
+            (q, q_rstd), (k, k_rstd) = l2_normalized(q), l2_normalized(k)
+            rstds = (q_rstd, k_rstd)
         o, final_state, *kept = forward.forward(
             q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_host=cu_seqlens_host,
             keep_for_backward=keep, keep_chunk_states=keep_chunk_states,
         )
-        ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, *(kept[0] if keep else ()))
+        ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, *rstds, *(kept[0] if keep else ()))
+        ctx.l2norm = l2norm
         ctx.scale = scale
         ctx.cu_seqlens_host = cu_seqlens_host
         return o, final_state
@@ -53,10 +72,12 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
     def backward(ctx, d_o, d_final_state):
         from flashqla.hopper import backward, forward
 
-        q, k, v, g, beta, initial_state, cu_seqlens, *kept = ctx.saved_tensors
+        q, k, v, g, beta, initial_state, cu_seqlens, *rest = ctx.saved_tensors
+        rstds, kept = (rest[:2], rest[2:]) if ctx.l2norm else ((None, None), rest)
         dq, dk, dv, dg, dbeta, dh0 = backward.backward(
             q, k, v, g, beta, ctx.scale, initial_state, cu_seqlens, d_o, d_final_state,
             cu_seqlens_host=ctx.cu_seqlens_host, kept=forward.KeptForward(*kept) if kept else None,
+            q_rstd=rstds[0], k_rstd=rstds[1],
         )
         dh0 = dh0 if initial_state is not None else None
-        return dq, dk, dv, dg, dbeta, None, dh0, None, None, None, None, None
+        return dq, dk, dv, dg, dbeta, None, dh0, None, None, None, None, None, None

@@ -7,7 +7,8 @@
    (backward_state_grads.py; docs/gdn-math.md §3.1): the only sequential part. Sequences the
    forward's plan cut are walked in the same pieces, each from a decay-truncated warm-up after
    its end (walk_bounds.py, docs/gdn-math.md §4).
-3. Every chunk in parallel: dq, dk, dv, dg, dbeta (backward_chunk_grads.py; §3.2-3.3).
+3. Every chunk in parallel: dq, dk, dv, dg, dbeta (backward_chunk_grads.py; §3.2-3.3), and the
+   backward of the q/k L2 norm when the forward applied it.
 dq and dk come per value head and are summed over each head group in torch, which keeps the
 result deterministic (no atomics).
 """
@@ -27,7 +28,8 @@ MAX_VALUE_BLOCK = 64
 
 
 def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seqlens_host: list[int] | None = None,
-             kept: KeptForward | None = None, log_decay_threshold: float = DEFAULT_LOG_DECAY_THRESHOLD):
+             kept: KeptForward | None = None, log_decay_threshold: float = DEFAULT_LOG_DECAY_THRESHOLD,
+             q_rstd: torch.Tensor | None = None, k_rstd: torch.Tensor | None = None):
     """Gradients of (o, final_state) for inputs as given to `forward.forward`.
 
     q, k: [B, T, Hqk, 128]; v, do: [B, T, Hv, 128]; g, beta: [B, T, Hv]; initial_state, dht:
@@ -42,6 +44,8 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seq
     log_decay_threshold: how far the state-gradient walk of a piece may truncate what comes after
     it (walk_bounds.py); -inf walks every piece from its sequence end, which gives bitwise
     the gradients of one walk over the whole sequence.
+    q_rstd, k_rstd (both or neither): q and k are the outputs of the L2 norm (autograd.l2_normalized)
+    with these r, float32 [B * T * Hqk]; dq and dk are then the gradients of the norm's inputs.
     """
     reason = unsupported_inputs(q, v)
     if reason is not None:
@@ -93,8 +97,11 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seq
     walk = state_gradient_walk(plan, gamma, cu_seqlens, cu_seqlens_host, num_v_heads, sm_count, log_decay_threshold)
     state_grads, dh0 = state_gradients(q_flat, k_flat, gamma, gated_inverse, scores, do_flat, dht, scale,
                                        cu_seqlens, offsets, chunk_index.shape[0], **walk)
+    if q_rstd is not None:
+        q_rstd, k_rstd = (r.view(num_tokens, num_qk_heads) for r in (q_rstd, k_rstd))
     dq_head, dk_head, dv, dg, dbeta = chunk_gradients(q_flat, k_flat, v_flat, gamma, beta_flat, inverse, states,
-                                                      state_grads, do_flat, scale, cu_seqlens, chunk_index)
+                                                      state_grads, do_flat, scale, cu_seqlens, chunk_index,
+                                                      q_rstd=q_rstd, k_rstd=k_rstd)
 
     dq, dk = (sum_over_groups(grad, num_qk_heads, q.dtype) for grad in (dq_head, dk_head))
     return (

@@ -88,8 +88,8 @@ def chunk_grads_program(l2norm_backward: bool = False):
     and the number of CTAs are run-time values. l2norm_backward: q and k are the L2 norm's outputs
     q^, k^ and the kernel also takes their r (float32 [T, Hqk]); it writes the gradients of the norm's
     inputs, dq = r (dq^ - q^ (q^ . dq^)) and likewise dk, per value head (the norm's backward is linear
-    in dq^, so the sum over a head group is still the caller's). A candidate: the bench's
-    comparison and its GPU test only."""
+    in dq^, so the sum over a head group is still the caller's): what backward.py runs for the
+    op's use_qk_l2norm_in_kernel."""
     K = V = HEAD_DIM
     BV = V
     num_v_heads = T.dynamic("num_v_heads")
@@ -540,7 +540,7 @@ def chunk_gradients(q, k, v, gamma, beta, inverse, chunk_states, chunk_state_gra
     chunk_index: int32 [num_chunks, 2] (sequence, chunk within it); num_workers (CTAs) defaults to
     the SM count. q_rstd, k_rstd (float32 [T, Hqk], both or neither): q, k are L2-normalised
     (flashqla/hopper/l2norm.py) with these r, and dq, dk come back as the gradients of the
-    unnormalised inputs (the candidate `chunk_grads_program(l2norm_backward=True)`).
+    unnormalised inputs (`chunk_grads_program(l2norm_backward=True)`).
     dq, dk, dv: bf16 [T, Hv, 128]; dg, dbeta: float32 [T, Hv].
     """
     num_tokens, _, head_dim = q.shape

@@ -169,7 +169,8 @@ def test_the_forwards_kept_tensors_reach_the_backward(monkeypatch):
         made.append(kept)
         return (v * 1.0, None, kept) if keep_for_backward else (v * 1.0, None)
 
-    def fake_backward(q, k, v, g, beta, scale, h0, cu, d_o, d_state, cu_seqlens_host=None, kept=None):
+    def fake_backward(q, k, v, g, beta, scale, h0, cu, d_o, d_state, cu_seqlens_host=None, kept=None,
+                      q_rstd=None, k_rstd=None):
         received.append(kept)
         return (torch.zeros_like(q), torch.zeros_like(k), d_o, torch.zeros_like(g), torch.zeros_like(beta), None)
 
@@ -205,3 +206,40 @@ def test_saved_inputs_hold_no_larger_base(monkeypatch):
     saved = [x for x in o.grad_fn.saved_tensors if x is not None]
     base = qkv.untyped_storage().data_ptr()
     assert saved and all(x.untyped_storage().data_ptr() != base for x in saved)
+
+
+def test_the_l2_norm_reaches_the_walk_and_its_r_the_backward(monkeypatch):
+    """With use_qk_l2norm_in_kernel the forward walks the normalised q and k, and the backward gets
+    those and the norm's r (it applies the norm's backward in the chunk-gradient kernel); without
+    it, neither is touched and no r is passed. Stand-in kernels, no GPU."""
+    from flashqla.hopper import autograd, backward, forward
+
+    walked, received = [], []
+
+    def fake_normalized(x):
+        return x * 2.0, torch.full((x.numel() // x.shape[-1],), 0.5)
+
+    def fake_forward(q, k, v, *args, **kwargs):
+        walked.append((q, k))
+        return v * 1.0, None
+
+    def fake_backward(q, k, v, g, beta, scale, h0, cu, d_o, d_state, cu_seqlens_host=None, kept=None,
+                      q_rstd=None, k_rstd=None):
+        received.append((q, k, q_rstd, k_rstd))
+        return (torch.zeros_like(q), torch.zeros_like(k), d_o, torch.zeros_like(g), torch.zeros_like(beta), None)
+
+    monkeypatch.setattr(autograd, "l2_normalized", fake_normalized)
+    monkeypatch.setattr(forward, "forward", fake_forward)
+    monkeypatch.setattr(backward, "backward", fake_backward)
+    q, k = torch.randn(1, 4, 1, 8, requires_grad=True), torch.randn(1, 4, 1, 8, requires_grad=True)
+    g, beta, v = torch.zeros(1, 4, 1), torch.ones(1, 4, 1), torch.randn(1, 4, 1, 8)
+    for l2norm in (True, False):
+        o, _ = autograd.chunk_gated_delta_rule_hopper(q, k, v, g, beta, 1.0, None, False, l2norm, None, None, False)
+        o.sum().backward()
+    (q_walked, k_walked), (q_plain, k_plain) = walked
+    assert torch.equal(q_walked, q.detach() * 2) and torch.equal(k_walked, k.detach() * 2)
+    assert torch.equal(q_plain, q.detach()) and torch.equal(k_plain, k.detach())
+    q_saved, k_saved, q_rstd, k_rstd = received[0]
+    assert torch.equal(q_saved, q_walked) and torch.equal(k_saved, k_walked)
+    assert q_rstd.shape == k_rstd.shape == (4,) and bool((q_rstd == 0.5).all())
+    assert received[1][2] is None and received[1][3] is None

@@ -6,9 +6,10 @@ are checked through `backward` in tests/flashqla/test_hopper_backward.py; here, 
 CPU checks (need nvcc only): its generated CUDA waits for every TMA load group before the first
 read and refills it only after the last one, and no TMA-filled buffer shares shared memory with
 another buffer (the two races seen on the device while it was written were of these kinds).
-GPU: the number of persistent CTAs does not change the result; the candidate that applies the L2
-norm's backward in the epilogues (`chunk_grads_program(l2norm_backward=True)`) gives the norm's
-backward of the kernel's dq, dk (float64 math) and the kernel's dv, dg, dbeta bitwise.
+GPU: the number of persistent CTAs does not change the result; the kernel that applies the L2
+norm's backward in its epilogues (`chunk_grads_program(l2norm_backward=True)`, what the op runs with
+use_qk_l2norm_in_kernel) gives the norm's backward of the plain kernel's dq, dk (float64 math) and
+its dv, dg, dbeta bitwise.
 """
 import re
 import shutil
@@ -37,7 +38,7 @@ def test_chunk_bounds_of_ragged_batch():
     assert bounds.tolist() == [[0, 64], [64, 36], [100, 64], [164, 1]]
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["kernel", "l2norm_backward_candidate"])
+@pytest.fixture(scope="module", params=[False, True], ids=["kernel", "l2norm_backward"])
 def l2norm_backward(request):
     return request.param
 
@@ -154,13 +155,12 @@ def test_worker_count_does_not_change_the_gradients(heads, num_workers):
 @requires_hopper
 @pytest.mark.parametrize("lengths", [RAGGED, [8192]], ids=["ragged", "1x8192"])
 @pytest.mark.parametrize("heads", [(16, 16), (8, 8), (4, 16)], ids=["16_16", "8_8", "4_16"])
-def test_l2norm_backward_candidate(heads, lengths):
+def test_l2norm_backward_in_the_epilogues(heads, lengths):
     """q, k enter unnormalised (row norms 0.1-8) and go through the L2 norm's kernel; the separate
     path's dq, dk are the kernel's (bf16) put through r (dy - y (y . dy)) in float64 per value head
     (the norm's backward is linear, so per head and after the group sum agree)."""
     from flashqla.hopper.backward_chunk_grads import chunk_gradients
-    from flashqla.hopper.l2norm import l2norm_forward
-    from flashqla.l2norm import EPS
+    from flashqla.hopper.autograd import l2_normalized
     from flashqla.testing import relative_error
 
     num_qk_heads, num_v_heads = heads
@@ -172,8 +172,8 @@ def test_l2norm_backward_candidate(heads, lengths):
         # the grid's q, k are unit rows: rescaled, they normalise back to themselves (up to rounding),
         # so the inverse in args still belongs to the keys
         norms = torch.empty(args[name].shape[:2] + (1,), device="cuda").uniform_(0.1, 8, generator=gen)
-        y, r = l2norm_forward((args[name] * norms).to(torch.bfloat16).reshape(-1, 128).contiguous(), EPS)
-        args[name], rstd[name] = y.view(args[name].shape), r.view(args[name].shape[:2])
+        y, r = l2_normalized((args[name] * norms).to(torch.bfloat16))
+        args[name], rstd[name] = y, r.view(args[name].shape[:2])
     separate = run_kernel(chunk_gradients, args)
     fused = run_kernel(chunk_gradients, args, q_rstd=rstd["q"], k_rstd=rstd["k"])
     again = run_kernel(chunk_gradients, args, q_rstd=rstd["q"], k_rstd=rstd["k"])
