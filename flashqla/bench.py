@@ -446,7 +446,7 @@ def compare_chunk_grads_l2norm(rep_ms: int):
 
         def separate():
             dq, dk = chunk_gradients(**args)[:2]
-            return [l2norm_backward(group_sum(grad).reshape(-1, 128), args[n].reshape(-1, 128), r)
+            return [l2norm_backward(group_sum(grad).reshape(-1, 128), args[n].reshape(-1, 128), r.reshape(-1))
                     .view(-1, num_qk_heads, 128) for grad, n, r in ((dq, "q", q_rstd), (dk, "k", k_rstd))]
 
         def fused():
