@@ -3,7 +3,7 @@ and side-by-side timings of kernel variants (--compare).
 
     python -m flashqla.bench [--fwd] [--bwd] [--json PATH] [--shapes SUBSTR,...] [--baselines fla,flashqla]
                              [--time-budget SECONDS] [--breakdown] [--model]
-    python -m flashqla.bench --compare [keep_forward,conv,inverse,l2norm,chunk_grads_l2norm] [--json PATH]
+    python -m flashqla.bench --compare [keep_forward,conv,inverse,chunk_grads_l2norm] [--json PATH]
 
 Each library is called the way its users call it: ours through `flashqla.chunk_gated_delta_rule`
 (backend="tilelang", input checks included), FLA through its `chunk_gated_delta_rule` beneath
@@ -36,9 +36,8 @@ ratios (timings live here, not in the GPU tests, so a busy machine cannot fail a
 - keep_forward: forward + backward through the public op, keep_for_backward=False, "products" and True;
 - conv: the GDN layer's conv + SiLU, the TileLang kernel against torch.compile of its definition;
 - inverse: the chunks' inverse A~ against FlashQLA's kkt_solve;
-- l2norm: the q/k L2 norm's Hopper kernels against torch.compile of its math;
-- chunk_grads_l2norm: the chunk gradients then the L2 norm's backward against the candidate that
-  fuses the two.
+- chunk_grads_l2norm: the chunk gradients then the L2 norm's backward kernel against the chunk
+  gradients with the norm's backward in their epilogues (backward.py picks by head layout).
 """
 from __future__ import annotations
 
@@ -373,52 +372,17 @@ def compare_conv(rep_ms: int):
                {name: _median_ms(lambda: step(run), rep_ms, grad_to_none=[x, weight]) for name, run in variants.items()})
 
 
-def compare_l2norm(rep_ms: int):
-    """The q/k L2 norm of `use_qk_l2norm_in_kernel`, forward + backward of q and k as the 0.8B and 2B
-    models' layers call it: torch.compile of its torch math (what the op ran before the kernels)
-    against the Hopper kernels."""
-    from flashqla import l2norm
-
-    compiled_forward = torch.compile(l2norm._forward, dynamic=True)
-    compiled_backward = torch.compile(l2norm._backward, dynamic=True)
-
-    class Compiled(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            y, rstd = compiled_forward(x, l2norm.EPS)
-            ctx.save_for_backward(y, rstd)
-            return y
-
-        @staticmethod
-        def backward(ctx, dy):
-            return compiled_backward(dy.contiguous(), *ctx.saved_tensors)
-
-    for heads, tokens in ((16, 32768), (16, 131072), (8, 131072)):
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        pair = [torch.randn(1, tokens, heads, 128, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_()
-                for _ in range(2)]
-        upstream = [torch.randn_like(x) for x in pair]
-
-        def step(normalise):
-            torch.autograd.backward([normalise(x) for x in pair], upstream)
-
-        variants = {"torch.compile": Compiled.apply, "kernel": l2norm.l2_normalize}
-        yield (f"q, k {heads} heads 1x{tokens}",
-               {name: _median_ms(lambda: step(run), rep_ms, grad_to_none=pair) for name, run in variants.items()})
-
-
 def _normalised_chunk_gradient_arguments(heads, seq_lens):
     """chunk_gradients' arguments for the model's unnormalised q, k after the L2 norm's kernel, and
     the norm's r of q and k ([T, Hqk])."""
-    from flashqla.hopper.l2norm import l2norm_forward
-    from flashqla.l2norm import EPS
+    from flashqla.hopper.autograd import l2_normalized
     from flashqla.testing import chunk_gradient_arguments
 
     x = make_inputs(heads, seq_lens, like_the_model=True)
     normalised, rstd = [], []
     for name in ("q", "k"):
-        y, r = l2norm_forward(x[name][0].reshape(-1, 128).contiguous(), EPS)
-        normalised.append(y.view(x[name][0].shape))
+        y, r = l2_normalized(x[name][0])
+        normalised.append(y)
         rstd.append(r.view(x[name][0].shape[:2]))
     do = torch.randn(x["v"].shape[1:], generator=torch.Generator(device="cuda").manual_seed(1),
                      device="cuda").to(torch.bfloat16)
@@ -427,17 +391,18 @@ def _normalised_chunk_gradient_arguments(heads, seq_lens):
 
 
 def compare_chunk_grads_l2norm(rep_ms: int):
-    """The chunk gradients followed by the L2 norm's backward of dq and dk (what the op runs) against
-    the candidate that applies the norm's backward in the chunk-gradient kernel's epilogues
-    (`chunk_grads_program(l2norm_backward=True)`); the group sum over value heads in both. Raises
-    where the candidate's dq, dk are more than 1e-2 (relative L2) from the separate path's."""
+    """The chunk gradients followed by the L2 norm's backward kernel of dq and dk against the chunk
+    gradients that apply the norm's backward in their epilogues (`chunk_grads_program(l2norm_backward=True)`),
+    the group sum over value heads in both: what backward.py chooses between by head layout.
+    Raises where the fused dq, dk are more than 1e-2 (relative L2) from the separate path's."""
     from flashqla.hopper.backward import sum_over_groups
     from flashqla.hopper.backward_chunk_grads import chunk_gradients
     from flashqla.hopper.l2norm import l2norm_backward
     from flashqla.testing import relative_error
 
     for name, heads, seq_lens in (("16/16 1x32768", (16, 16), [32768]), ("16/16 1x131072", (16, 16), [131072]),
-                                  ("8/8 1x131072", (8, 8), [131072]), ("16/64 1x32768", (16, 64), [32768])):
+                                  ("8/8 1x131072", (8, 8), [131072]), ("16/32 1x65536", (16, 32), [65536]),
+                                  ("16/48 1x32768", (16, 48), [32768]), ("16/64 1x32768", (16, 64), [32768])):
         args, (q_rstd, k_rstd) = _normalised_chunk_gradient_arguments(heads, seq_lens)
         num_qk_heads = heads[0]
 
@@ -456,7 +421,7 @@ def compare_chunk_grads_l2norm(rep_ms: int):
         for label, a, b in zip(("dq", "dk"), separate(), fused()):
             error = float(relative_error(b, a))
             if not error <= 1e-2:  # also catches NaN
-                raise AssertionError(f"chunk_grads_l2norm {name}: the candidate's {label} is {error:.2e} from "
+                raise AssertionError(f"chunk_grads_l2norm {name}: the fused {label} is {error:.2e} from "
                                      "the separate path's")
         yield name, {"separate": _median_ms(separate, rep_ms), "fused": _median_ms(fused, rep_ms)}
 
@@ -489,7 +454,7 @@ def compare_inverse(rep_ms: int):
 
 
 COMPARISONS = {"keep_forward": compare_keep_forward, "conv": compare_conv, "inverse": compare_inverse,
-               "l2norm": compare_l2norm, "chunk_grads_l2norm": compare_chunk_grads_l2norm}
+               "chunk_grads_l2norm": compare_chunk_grads_l2norm}
 
 
 def run_comparisons(names: list[str], rep_ms: int, json_path: str | None) -> None:

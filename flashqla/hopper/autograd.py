@@ -1,17 +1,13 @@
 """The "tilelang" backend's runner: the Hopper forward and backward entries joined for autograd.
 
 With use_qk_l2norm_in_kernel the q/k L2 norm is part of the Function: its forward is a kernel of
-its own (flashqla/hopper/l2norm.py), and its backward runs in the chunk-gradient kernel's epilogues
-(backward_chunk_grads.py), which need only the norm's r (4 bytes a row) besides q^, k^ the
-backward keeps anyway.
+its own (flashqla/hopper/l2norm.py), and backward.py applies its backward, which needs only the
+norm's r (4 bytes a row) besides the q^, k^ the backward keeps anyway.
 
 The kernel modules are imported inside forward and backward: this module, and the backend
 registry that names it, import without tilelang.
 """
 import torch
-
-# as HF Qwen3.5's torch path and FLA's kernels
-L2NORM_EPS = 1e-6
 
 
 def chunk_gated_delta_rule_hopper(q, k, v, g, beta, scale, initial_state, output_final_state,
@@ -38,9 +34,9 @@ def keeps_for_backward(*inputs) -> bool:
 
 def l2_normalized(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(x / sqrt(sum(x^2) + eps) over the last dim, in x's dtype and shape; its r, float32 [rows])."""
-    from flashqla.hopper.l2norm import l2norm_forward
+    from flashqla.hopper.l2norm import EPS, l2norm_forward
 
-    y, rstd = l2norm_forward(x.reshape(-1, x.shape[-1]), L2NORM_EPS)
+    y, rstd = l2norm_forward(x.reshape(-1, x.shape[-1]), EPS)
     return y.view(x.shape), rstd
 
 

@@ -21,6 +21,7 @@ from flashqla.hopper.chunk_plan import device_sm_count, flat_cu_seqlens, plan_fo
 from flashqla.hopper.common import DEFAULT_LOG_DECAY_THRESHOLD, HEAD_DIM, unsupported_inputs
 from flashqla.hopper.forward import KeptForward, forward, walk_chunks
 from flashqla.hopper.fused_forward import MAX_VALUE_BLOCK as FORWARD_MAX_VALUE_BLOCK
+from flashqla.hopper.l2norm import l2norm_backward
 from flashqla.hopper.walk_bounds import walk_bounds
 
 # Widest V block of the state-gradient walk: narrower blocks give more CTAs on the critical path.
@@ -46,6 +47,7 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seq
     the gradients of one walk over the whole sequence.
     q_rstd, k_rstd (both or neither): q and k are the outputs of the L2 norm (autograd.l2_normalized)
     with these r, float32 [B * T * Hqk]; dq and dk are then the gradients of the norm's inputs.
+    q and k must then be contiguous (the Function saves them so).
     """
     reason = unsupported_inputs(q, v)
     if reason is not None:
@@ -97,13 +99,19 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seq
     walk = state_gradient_walk(plan, gamma, cu_seqlens, cu_seqlens_host, num_v_heads, sm_count, log_decay_threshold)
     state_grads, dh0 = state_gradients(q_flat, k_flat, gamma, gated_inverse, scores, do_flat, dht, scale,
                                        cu_seqlens, offsets, chunk_index.shape[0], **walk)
-    if q_rstd is not None:
-        q_rstd, k_rstd = (r.view(num_tokens, num_qk_heads) for r in (q_rstd, k_rstd))
-    dq_head, dk_head, dv, dg, dbeta = chunk_gradients(q_flat, k_flat, v_flat, gamma, beta_flat, inverse, states,
-                                                      state_grads, do_flat, scale, cu_seqlens, chunk_index,
-                                                      q_rstd=q_rstd, k_rstd=k_rstd)
+    # The kernel's epilogues apply the norm's backward per value head: for a group of them that is
+    # the same rows' work repeated, and slower than once after the group sum (bench --compare
+    # chunk_grads_l2norm: 1.06-1.07x at 16/16 and 8/8, 0.93x at 16/64).
+    norm_in_kernel = q_rstd is not None and num_v_heads == num_qk_heads
+    dq_head, dk_head, dv, dg, dbeta = chunk_gradients(
+        q_flat, k_flat, v_flat, gamma, beta_flat, inverse, states, state_grads, do_flat, scale, cu_seqlens,
+        chunk_index, **(dict(q_rstd=q_rstd.view(num_tokens, num_qk_heads), k_rstd=k_rstd.view(num_tokens, num_qk_heads))
+                        if norm_in_kernel else {}))
 
     dq, dk = (sum_over_groups(grad, num_qk_heads, q.dtype) for grad in (dq_head, dk_head))
+    if q_rstd is not None and not norm_in_kernel:
+        dq, dk = (l2norm_backward(grad.to(q.dtype).reshape(-1, HEAD_DIM), normalised.reshape(-1, HEAD_DIM), rstd)
+                  for grad, normalised, rstd in ((dq, q, q_rstd), (dk, k, k_rstd)))
     return (
         dq.view(q.shape).to(q.dtype),
         dk.view(k.shape).to(k.dtype),

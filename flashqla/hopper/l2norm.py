@@ -1,5 +1,9 @@
-"""The q/k L2 normalisation of `use_qk_l2norm_in_kernel` as two memory-bound kernels (flashqla/l2norm.py
-has the math and the autograd Function).
+"""The q/k L2 normalisation of `use_qk_l2norm_in_kernel` as two memory-bound kernels.
+
+y = x * r with r = (sum(x^2) + eps)^(-1/2) over the last dim, in float32 and rounded once; its
+gradient dx = r * (dy - y * sum(y * dy)), which needs only y and r (4 bytes a row). The op's
+autograd Function (autograd.py) runs the forward; the backward runs here for grouped value heads,
+else inside the chunk-gradient kernel's epilogues (backward.py says why).
 
 Rows of 128 elements; 16 threads a row, each with 8 neighbouring elements (one 16-byte load), so a
 warp reads two whole rows per instruction and a row's sum is four xor-shuffles inside its 16 lanes.
@@ -14,6 +18,7 @@ import torch
 
 from flashqla.hopper.common import HEAD_DIM, compile_for_hopper, dtype_name
 
+EPS = 1e-6  # as HF Qwen3.5's torch path and FLA's kernels
 _VECTOR = 8  # elements a thread loads at once (16 bytes of bf16 / fp16)
 _LANES = HEAD_DIM // _VECTOR  # threads a row
 _THREADS = 256
