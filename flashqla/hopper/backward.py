@@ -103,10 +103,11 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seq
     # the same rows' work repeated, and slower than once after the group sum (bench --compare
     # chunk_grads_l2norm: 1.06-1.07x at 16/16 and 8/8, 0.93x at 16/64).
     norm_in_kernel = q_rstd is not None and num_v_heads == num_qk_heads
-    dq_head, dk_head, dv, dg, dbeta = chunk_gradients(
-        q_flat, k_flat, v_flat, gamma, beta_flat, inverse, states, state_grads, do_flat, scale, cu_seqlens,
-        chunk_index, **(dict(q_rstd=q_rstd.view(num_tokens, num_qk_heads), k_rstd=k_rstd.view(num_tokens, num_qk_heads))
-                        if norm_in_kernel else {}))
+    rstds = {}
+    if norm_in_kernel:
+        rstds = {name: r.view(num_tokens, num_qk_heads) for name, r in (("q_rstd", q_rstd), ("k_rstd", k_rstd))}
+    dq_head, dk_head, dv, dg, dbeta = chunk_gradients(q_flat, k_flat, v_flat, gamma, beta_flat, inverse, states,
+                                                      state_grads, do_flat, scale, cu_seqlens, chunk_index, **rstds)
 
     dq, dk = (sum_over_groups(grad, num_qk_heads, q.dtype) for grad in (dq_head, dk_head))
     if q_rstd is not None and not norm_in_kernel:
