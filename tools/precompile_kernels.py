@@ -290,6 +290,11 @@ def main(argv=None) -> None:
                 compile_conv_backward(conv_dtype)
             compile_l2norm_forward("float16")  # tests/flashqla/test_l2norm.py, the hard inputs' fp16 case
             compile_l2norm_backward("float16")
+            from flashqla.hopper.backward_state_grads import compile_state_grads
+
+            for value_block in (32, 64):  # the state-gradient walk's candidate: its GPU test and --compare
+                for pieces in (False, True):
+                    compile_state_grads(value_block, pieces, async_products=True)
         if "hard" in sets:
             for heads, lens, with_h0 in HARD_CASES:
                 compile_ours([(f"hard {heads[0]}/{heads[1]} {lens}", heads, lens)], with_initial_state=with_h0)
