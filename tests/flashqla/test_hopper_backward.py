@@ -118,3 +118,38 @@ def test_backward_kernels_use_hopper_instructions():
                "chunk grads": compile_chunk_grads().get_kernel_source()}
     for name, source in sources.items():
         assert "wgmma" in source and "tma_load" in source, name
+
+
+def test_async_state_grads_candidate_refills_a_stage_only_after_its_products():
+    """The state-gradient walk's candidate (`async_products=True`) in its generated CUDA, along the
+    loop over pairs of chunks: no stage is read between its refill and the wait on its barrier, and
+    each refill comes after a `wait_wgmma<0>` that follows the last product reading that stage and
+    after a block barrier that follows its last read (CPU-only: needs nvcc, not a GPU)."""
+    import re
+    import shutil
+
+    if shutil.which("nvcc") is None:
+        pytest.skip("needs nvcc to compile the sm_90a kernels")
+    from flashqla.hopper.backward_state_grads import compile_state_grads
+
+    lines = compile_state_grads(64, True, True).get_kernel_source().splitlines()
+    stages = {"loads0": ("q_s", "k_s", "do_s", "ab_s", "pm_s"), "loads1": ("q_s1", "k_s1", "do_s1", "ab_s1", "pm_s1")}
+    loop_start = next(i for i, line in enumerate(lines) if line.lstrip().startswith("for (int pair"))
+    loop = lines[loop_start:]
+    for barrier, buffers in stages.items():
+        def reads(line):
+            return "tma_load(" not in line and any(re.search(rf"\b{name}\b", line) for name in buffers)
+
+        refills = [i for i, line in enumerate(loop) if "tma_load(" in line and any(f"*){name})" in line for name in buffers)]
+        waits = [i for i, line in enumerate(loop) if f"{barrier}[0].wait(" in line]
+        assert refills and waits and all(f"{barrier}[0]" in loop[i] for i in refills), barrier
+        for refill in refills:
+            read_before = [i for i in range(refill) if reads(loop[i])]
+            if read_before:
+                last_read = max(read_before)
+                last_product = max([i for i in read_before if "wgmma_descriptor" in loop[i]], default=last_read)
+                assert any("wait_wgmma<0>" in line for line in loop[last_product:refill]), (barrier, refill)
+                assert any("__syncthreads()" in line for line in loop[last_read:refill]), (barrier, refill)
+            next_wait = min([w for w in waits if w > refill], default=len(loop))
+            stray = [i for i in range(refill + 1, next_wait) if reads(loop[i])]
+            assert not stray, f"{barrier}: read at loop line {stray[0]} before the wait on its refill"
