@@ -43,6 +43,9 @@ CASES = [
     # float16 at the layout and lengths tools/precompile_kernels.py builds float16 kernels for
     HardCase("fp16_correlated_unnormalised_4x_h0", (4, 16), (777, 1536), True, correlated_keys=True,
              unnormalised_qk=True, dtype=torch.float16, seed=8),
+    # float16 without grouped value heads: the L2 norm's backward inside the chunk-gradient kernel
+    HardCase("fp16_unnormalised_1x_h0", (4, 4), (777, 1536), True, unnormalised_qk=True, dtype=torch.float16,
+             seed=9),
 ]
 CASE_IDS = [case.name for case in CASES]
 DETERMINISM_CASES = [CASES[1], CASES[2], CASES[3]]  # ragged with h0, one long sequence (split), no h0
