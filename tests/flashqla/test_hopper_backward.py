@@ -121,11 +121,8 @@ def test_backward_kernels_use_hopper_instructions():
 
 
 def test_async_state_grads_candidate_refills_a_stage_only_after_its_products():
-    """The state-gradient walk's candidate (`async_products=True`) in its generated CUDA, along the
-    loop over pairs of chunks: no stage is read between its refill and the wait on its barrier, and
-    each refill comes after a `wait_wgmma<0>` that follows the last product reading that stage and
-    after a block barrier that follows its last read (CPU-only: needs nvcc, not a GPU)."""
-    import re
+    """The state-gradient walk's candidate (`async_products=True`) in its generated CUDA: see
+    double_buffer_hazards (CPU-only: needs nvcc, not a GPU)."""
     import shutil
 
     if shutil.which("nvcc") is None:
@@ -133,23 +130,46 @@ def test_async_state_grads_candidate_refills_a_stage_only_after_its_products():
     from flashqla.hopper.backward_state_grads import compile_state_grads
 
     lines = compile_state_grads(64, True, True).get_kernel_source().splitlines()
+    assert double_buffer_hazards(lines) == []
+
+
+def double_buffer_hazards(lines: list[str]) -> list[str]:
+    """What breaks the candidate walk's double buffer in its CUDA source, around the loop over pairs
+    of chunks (its body read twice, so one pass's reads precede the next pass's refills): a stage
+    read between its refill and the wait on its barrier; a refill not after a `wait_wgmma<0>` that
+    follows the last product reading the stage, or not after a block barrier that follows its last
+    read; a barrier not waited once a pass with parity pair % 2."""
+    import re
+
     stages = {"loads0": ("q_s", "k_s", "do_s", "ab_s", "pm_s"), "loads1": ("q_s1", "k_s1", "do_s1", "ab_s1", "pm_s1")}
     loop_start = next(i for i, line in enumerate(lines) if line.lstrip().startswith("for (int pair"))
-    loop = lines[loop_start:]
+    depth = 0
+    for loop_end in range(loop_start, len(lines)):
+        depth += lines[loop_end].count("{") - lines[loop_end].count("}")
+        if depth == 0:
+            break
+    body = lines[loop_start + 1:loop_end]
+    thrice = body * 3
+    problems = []
     for barrier, buffers in stages.items():
         def reads(line):
             return "tma_load(" not in line and any(re.search(rf"\b{name}\b", line) for name in buffers)
 
-        refills = [i for i, line in enumerate(loop) if "tma_load(" in line and any(f"*){name})" in line for name in buffers)]
-        waits = [i for i, line in enumerate(loop) if f"{barrier}[0].wait(" in line]
-        assert refills and waits and all(f"{barrier}[0]" in loop[i] for i in refills), barrier
+        waits = [line for line in body if f"{barrier}[0].wait(" in line]
+        if len(waits) != 1 or f"{barrier}[0].wait((pair & 1))" not in waits[0]:
+            problems.append(f"{barrier}: not one wait a pass with parity pair % 2: {waits}")
+        refills = [i for i, line in enumerate(thrice) if len(body) <= i < 2 * len(body) and "tma_load(" in line
+                   and any(f"*){name})" in line for name in buffers)]
+        if not refills or not all(f"{barrier}[0]" in thrice[i] for i in refills):
+            problems.append(f"{barrier}: its stage's refills are not on it")
         for refill in refills:
-            read_before = [i for i in range(refill) if reads(loop[i])]
-            if read_before:
-                last_read = max(read_before)
-                last_product = max([i for i in read_before if "wgmma_descriptor" in loop[i]], default=last_read)
-                assert any("wait_wgmma<0>" in line for line in loop[last_product:refill]), (barrier, refill)
-                assert any("__syncthreads()" in line for line in loop[last_read:refill]), (barrier, refill)
-            next_wait = min([w for w in waits if w > refill], default=len(loop))
-            stray = [i for i in range(refill + 1, next_wait) if reads(loop[i])]
-            assert not stray, f"{barrier}: read at loop line {stray[0]} before the wait on its refill"
+            read_before = [i for i in range(refill) if reads(thrice[i])]
+            last_product = max((i for i in read_before if "wgmma_descriptor" in thrice[i]), default=read_before[-1])
+            if not any("wait_wgmma<0>" in line for line in thrice[last_product:refill]):
+                problems.append(f"{barrier}: refill at loop line {refill % len(body)} while a product may read")
+            if not any("__syncthreads()" in line for line in thrice[read_before[-1]:refill]):
+                problems.append(f"{barrier}: refill at loop line {refill % len(body)} before every thread's last read")
+            next_wait = next(i for i in range(refill, len(thrice)) if f"{barrier}[0].wait(" in thrice[i])
+            problems += [f"{barrier}: read at loop line {i % len(body)} before its refill landed"
+                         for i in range(refill + 1, next_wait) if reads(thrice[i])]
+    return problems
