@@ -3,7 +3,8 @@ and side-by-side timings of kernel variants (--compare).
 
     python -m flashqla.bench [--fwd] [--bwd] [--json PATH] [--shapes SUBSTR,...] [--baselines fla,flashqla]
                              [--time-budget SECONDS] [--breakdown] [--model]
-    python -m flashqla.bench --compare [keep_forward,conv,inverse,chunk_grads_l2norm,state_grads] [--json PATH]
+    python -m flashqla.bench --compare [keep_forward,conv,inverse,inverse_l2norm,chunk_grads_l2norm,state_grads]
+                             [--json PATH]
 
 Each library is called the way its users call it: ours through `flashqla.chunk_gated_delta_rule`
 (backend="tilelang", input checks included), FLA through its `chunk_gated_delta_rule` beneath
@@ -36,6 +37,8 @@ ratios (timings live here, not in the GPU tests, so a busy machine cannot fail a
 - keep_forward: forward + backward through the public op, keep_for_backward=False, "products" and True;
 - conv: the GDN layer's conv + SiLU, the TileLang kernel against torch.compile of its definition;
 - inverse: the chunks' inverse A~ against FlashQLA's kkt_solve;
+- inverse_l2norm: the L2 norm's kernel on k then the inverse against the candidate inverse that
+  normalises k itself;
 - chunk_grads_l2norm: the chunk gradients then the L2 norm's backward kernel against the chunk
   gradients with the norm's backward in their epilogues (backward.py picks by head layout);
 - state_grads: the state-gradient walk against its candidate with asynchronous products.
@@ -454,6 +457,36 @@ def compare_inverse(rep_ms: int):
         yield name, times
 
 
+def compare_inverse_l2norm(rep_ms: int):
+    """The model's k through the L2 norm's kernel, then the inverse, against the candidate inverse
+    that normalises k itself (`chunk_inverse_normalising_keys`), on the model's layouts with bf16
+    beta. Raises where the candidate's A~ is not bitwise the inverse of its own k^, or its k^ is more
+    than 1e-2 (relative L2) from the norm kernel's."""
+    from flashqla.hopper.autograd import l2_normalized
+    from flashqla.hopper.chunk_plan import chunk_indices
+    from flashqla.hopper.inverse import chunk_inverse, chunk_inverse_normalising_keys
+    from flashqla.testing import relative_error
+
+    for name, heads, seq_lens in (*MODEL_SHAPES, ("16/32 1x65536", (16, 32), [65536])):
+        x = make_inputs(heads, seq_lens, like_the_model=True)
+        k, beta, cu = x["k"][0], x["beta"][0], x["cu_seqlens"]
+        index = chunk_indices(cu)
+
+        def separate():
+            return chunk_inverse(l2_normalized(k)[0], beta, cu, index)
+
+        def fused():
+            return chunk_inverse_normalising_keys(k, beta, cu, index)
+
+        inverse, k_normalised, _ = fused()
+        if not torch.equal(inverse, chunk_inverse(k_normalised, beta, cu, index)):
+            raise AssertionError(f"inverse_l2norm {name}: A~ is not the inverse of the kernel's own k^")
+        error = float(relative_error(k_normalised, l2_normalized(k)[0]))
+        if not error <= 1e-2:  # also catches NaN
+            raise AssertionError(f"inverse_l2norm {name}: k^ is {error:.2e} from the norm kernel's")
+        yield name, {"separate": _median_ms(separate, rep_ms), "fused": _median_ms(fused, rep_ms)}
+
+
 def compare_state_grads(rep_ms: int):
     """The state-gradient walk (backward_state_grads.py, as backward.py plans it) against its
     candidate that issues the products not needing dDelta together from its own TMA double buffer
@@ -490,7 +523,8 @@ def compare_state_grads(rep_ms: int):
 
 
 COMPARISONS = {"keep_forward": compare_keep_forward, "conv": compare_conv, "inverse": compare_inverse,
-               "chunk_grads_l2norm": compare_chunk_grads_l2norm, "state_grads": compare_state_grads}
+               "inverse_l2norm": compare_inverse_l2norm, "chunk_grads_l2norm": compare_chunk_grads_l2norm,
+               "state_grads": compare_state_grads}
 
 
 def run_comparisons(names: list[str], rep_ms: int, json_path: str | None) -> None:

@@ -293,6 +293,10 @@ def main(argv=None) -> None:
             compile_l2norm_backward("float16")
             from flashqla.hopper.backward_state_grads import compile_state_grads
 
+            from flashqla.hopper.inverse import compile_inverse
+
+            for dtype, beta_dtype in (("bfloat16", "float32"), ("bfloat16", "bfloat16"), ("float16", "float32")):
+                compile_inverse(128, dtype, beta_dtype, normalise_keys=True)  # the inverse's candidate
             for value_block in (32, 64):  # the state-gradient walk's candidate: its GPU test and --compare
                 for pieces in (False, True):
                     compile_state_grads(value_block, pieces, async_products=True)

@@ -201,3 +201,49 @@ def test_inverse_other_dtypes(dtype, beta_dtype):
 def test_inverse_is_bitwise_deterministic(heads):
     inputs = make_inputs(RAGGED + [4096], *heads, seed=7)
     assert torch.equal(run_inverse(inputs), run_inverse(inputs))
+
+
+@pytest.mark.gpu
+@requires_hopper
+@pytest.mark.parametrize("heads,lengths,dtype,beta_dtype", [
+    ((16, 16), RAGGED, torch.bfloat16, torch.bfloat16),
+    ((4, 16), [777, 0, 1536], torch.bfloat16, torch.float32),
+    ((4, 4), [777, 1536], torch.float16, torch.float32),
+], ids=["16_16_ragged_bf16_beta", "4_16_group", "4_4_fp16"])
+def test_normalising_candidate_gives_the_inverse_of_its_normalised_keys(heads, lengths, dtype, beta_dtype):
+    """The candidate that L2-normalises k itself (`chunk_inverse_normalising_keys`), on k at row norms
+    0.1-8: A~ bitwise the inverse kernel's on the candidate's own k^ (the same instructions on the
+    same tile); k^ and r against float64 of the definition, over the tensor and per row; k^ within
+    rounding of the norm kernel's; every row written (NaN-poisoned memory, a group's first value head
+    writes k^); deterministic."""
+    from flashqla.hopper.autograd import l2_normalized
+    from flashqla.hopper.inverse import chunk_inverse, chunk_inverse_normalising_keys
+    from flashqla.hopper.l2norm import EPS
+
+    args = flat_args(make_inputs(lengths, *heads, seed=11))
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    norms = torch.empty(args["k"].shape[:2] + (1,), device="cuda").uniform_(0.1, 8, generator=gen)
+    k = (args["k"] * norms).to(dtype)
+    beta = args["beta"].to(beta_dtype)
+    runs = []
+    for _ in range(2):
+        poison_allocator()
+        runs.append(chunk_inverse_normalising_keys(k, beta, args["cu_seqlens"], args["chunk_index"]))
+    (inverse, k_normalised, rstd), again = runs
+    for name, ours, other in zip(("A~", "k^", "r"), runs[0], again):
+        assert torch.isfinite(ours).all(), f"{name}: NaN/Inf (unwritten rows?)"
+        assert torch.equal(ours, other), f"{name}: not deterministic"
+    assert inverse.dtype == k_normalised.dtype == dtype
+    poison_allocator()
+    assert torch.equal(inverse, chunk_inverse(k_normalised, beta, args["cu_seqlens"], args["chunk_index"]))
+    exact_rstd = torch.rsqrt(k.double().square().sum(-1) + EPS)
+    exact = k.double() * exact_rstd[..., None]
+    rows = ((k_normalised.double() - exact).norm(dim=-1) / exact.norm(dim=-1)).max().item()
+    report = (f"k^ {relative_error(k_normalised, exact):.2e} (worst row {rows:.2e}), "
+              f"r {relative_error(rstd, exact_rstd):.2e}, "
+              f"k^ from the norm kernel's {relative_error(k_normalised, l2_normalized(k)[0]):.2e}")
+    print(report)
+    # one rounding (2^-8 relative in bf16, 8x finer in fp16) sets k^; r is float32 math
+    assert relative_error(k_normalised, exact) <= 4e-3 and rows <= 8e-3, report
+    assert relative_error(rstd, exact_rstd) <= 1e-5, report
+    assert relative_error(k_normalised, l2_normalized(k)[0]) <= 1e-3, report
