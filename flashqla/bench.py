@@ -176,12 +176,12 @@ def forward_breakdown(inputs: dict, rep_ms: int, like_the_model: bool = False) -
     one that also stores Ab and P ("products") and the chunk states ("all")."""
     from triton.testing import do_bench
 
+    from flashqla.hopper.autograd import l2_normalized
     from flashqla.hopper.chunk_plan import build_forward_plan, plan_forward
     from flashqla.hopper.cumsum import chunk_local_cumsum
     from flashqla.hopper.forward import walk_chunks
     from flashqla.hopper.fused_forward import MAX_VALUE_BLOCK
     from flashqla.hopper.inverse import chunk_inverse
-    from flashqla.hopper.autograd import l2_normalized
     from flashqla.hopper.walk_bounds import walk_bounds
 
     q, k, v, g, beta, _ = _breakdown_operands(inputs, like_the_model)

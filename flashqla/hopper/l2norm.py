@@ -27,6 +27,14 @@ ROWS_PER_CTA = _THREADS // _LANES * _PASSES
 
 
 @T.macro
+def _load_row(values, source, p, first, col, rows, step):
+    """values[p] <- this thread's 8 elements of its pass-p row of source, in float32; rows past the
+    end read the last row (every lane must take part in the shuffles)."""
+    for j in T.vectorized(_VECTOR):
+        values[p, j] = T.cast(source[T.min(first + p * step, rows - 1), col + j], "float32")
+
+
+@T.macro
 def _row_sum(partial, p):
     """partial[p] becomes its sum over the 16 lanes of this thread's row, in every one of them."""
     for o in T.unroll(4):
@@ -51,9 +59,7 @@ def l2norm_forward_program(dtype: str, eps: float):
             values = T.alloc_local((_PASSES, _VECTOR), f32)
             scale = T.alloc_local((_PASSES,), f32)
             for p in T.unroll(_PASSES):
-                # rows past the end read the last row (every lane must take part in the shuffles)
-                for j in T.vectorized(_VECTOR):
-                    values[p, j] = T.cast(x[T.min(first + p * step, rows - 1), col + j], f32)
+                _load_row(values, x, p, first, col, rows, step)
             for p in T.unroll(_PASSES):
                 scale[p] = 0.0
                 for j in T.unroll(_VECTOR):
@@ -90,10 +96,8 @@ def l2norm_backward_program(dtype: str):
             normalised = T.alloc_local((_PASSES, _VECTOR), f32)
             dot = T.alloc_local((_PASSES,), f32)
             for p in T.unroll(_PASSES):
-                for j in T.vectorized(_VECTOR):
-                    upstream[p, j] = T.cast(dy[T.min(first + p * step, rows - 1), col + j], f32)
-                for j in T.vectorized(_VECTOR):
-                    normalised[p, j] = T.cast(y[T.min(first + p * step, rows - 1), col + j], f32)
+                _load_row(upstream, dy, p, first, col, rows, step)
+                _load_row(normalised, y, p, first, col, rows, step)
             for p in T.unroll(_PASSES):
                 dot[p] = 0.0
                 for j in T.unroll(_VECTOR):
@@ -109,7 +113,7 @@ def l2norm_backward_program(dtype: str):
 
 
 @functools.lru_cache(maxsize=None)
-def compile_l2norm_forward(dtype: str = "bfloat16", eps: float = 1e-6):
+def compile_l2norm_forward(dtype: str = "bfloat16", eps: float = EPS):
     return compile_for_hopper(l2norm_forward_program(dtype, eps))
 
 
