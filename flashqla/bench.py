@@ -3,7 +3,7 @@ and side-by-side timings of kernel variants (--compare).
 
     python -m flashqla.bench [--fwd] [--bwd] [--json PATH] [--shapes SUBSTR,...] [--baselines fla,flashqla]
                              [--time-budget SECONDS] [--breakdown] [--model]
-    python -m flashqla.bench --compare [keep_forward,conv,inverse,inverse_l2norm,chunk_grads_l2norm,state_grads]
+    python -m flashqla.bench --compare [keep_forward,conv,inverse,chunk_grads_l2norm]
                              [--json PATH]
 
 Each library is called the way its users call it: ours through `flashqla.chunk_gated_delta_rule`
@@ -37,11 +37,8 @@ ratios (timings live here, not in the GPU tests, so a busy machine cannot fail a
 - keep_forward: forward + backward through the public op, keep_for_backward=False, "products" and True;
 - conv: the GDN layer's conv + SiLU, the TileLang kernel against torch.compile of its definition;
 - inverse: the chunks' inverse A~ against FlashQLA's kkt_solve;
-- inverse_l2norm: the L2 norm's kernel on k then the inverse against the candidate inverse that
-  normalises k itself;
 - chunk_grads_l2norm: the chunk gradients then the L2 norm's backward kernel against the chunk
-  gradients with the norm's backward in their epilogues (backward.py picks by head layout);
-- state_grads: the state-gradient walk against its candidate with asynchronous products.
+  gradients with the norm's backward in their epilogues (backward.py picks by head layout).
 """
 from __future__ import annotations
 
@@ -457,74 +454,8 @@ def compare_inverse(rep_ms: int):
         yield name, times
 
 
-def compare_inverse_l2norm(rep_ms: int):
-    """The model's k through the L2 norm's kernel, then the inverse, against the candidate inverse
-    that normalises k itself (`chunk_inverse_normalising_keys`), on the model's layouts with bf16
-    beta. Raises where the candidate's A~ is not bitwise the inverse of its own k^, or its k^ is more
-    than 1e-2 (relative L2) from the norm kernel's."""
-    from flashqla.hopper.autograd import l2_normalized
-    from flashqla.hopper.chunk_plan import chunk_indices
-    from flashqla.hopper.inverse import chunk_inverse, chunk_inverse_normalising_keys
-    from flashqla.testing import relative_error
-
-    for name, heads, seq_lens in (*MODEL_SHAPES, ("16/32 1x65536", (16, 32), [65536])):
-        x = make_inputs(heads, seq_lens, like_the_model=True)
-        k, beta, cu = x["k"][0], x["beta"][0], x["cu_seqlens"]
-        index = chunk_indices(cu)
-
-        def separate():
-            return chunk_inverse(l2_normalized(k)[0], beta, cu, index)
-
-        def fused():
-            return chunk_inverse_normalising_keys(k, beta, cu, index)
-
-        inverse, k_normalised, _ = fused()
-        if not torch.equal(inverse, chunk_inverse(k_normalised, beta, cu, index)):
-            raise AssertionError(f"inverse_l2norm {name}: A~ is not the inverse of the kernel's own k^")
-        error = float(relative_error(k_normalised, l2_normalized(k)[0]))
-        if not error <= 1e-2:  # also catches NaN
-            raise AssertionError(f"inverse_l2norm {name}: k^ is {error:.2e} from the norm kernel's")
-        yield name, {"separate": _median_ms(separate, rep_ms), "fused": _median_ms(fused, rep_ms)}
-
-
-def compare_state_grads(rep_ms: int):
-    """The state-gradient walk (backward_state_grads.py, as backward.py plans it) against its
-    candidate that issues the products not needing dDelta together from its own TMA double buffer
-    (`async_products=True`), on the forward's kept Ab, P and gamma. Raises where the candidate's dS
-    or dh0 are more than 1e-3 (relative L2) from the walk's."""
-    from flashqla.hopper.backward import MAX_VALUE_BLOCK, state_gradient_walk
-    from flashqla.hopper.backward_state_grads import state_gradients
-    from flashqla.hopper.chunk_plan import plan_forward
-    from flashqla.hopper.forward import forward
-    from flashqla.testing import relative_error
-
-    sm_count = torch.cuda.get_device_properties().multi_processor_count
-    for name, heads, seq_lens in INVERSE_SHAPES:
-        x = make_inputs(heads, seq_lens)
-        q, k, v, g, beta, cu = (x[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens"))
-        _, _, kept = forward(q, k, v, g, beta, 128 ** -0.5, x["initial_state"], False, cu, keep_for_backward=True)
-        plan = plan_forward(cu, heads[1], 128, sm_count, MAX_VALUE_BLOCK)
-        walk = state_gradient_walk(plan, kept.gamma, cu, cu.tolist(), heads[1], sm_count)
-        do = torch.randn(v.shape[1:], generator=torch.Generator(device="cuda").manual_seed(1),
-                         device="cuda").to(torch.bfloat16)
-        dht = torch.randn_like(x["initial_state"])
-        args = (q[0], k[0], kept.gamma, kept.gated_inverse, kept.scores, do, dht, 128 ** -0.5, cu,
-                plan.chunk_offsets, plan.chunk_index.shape[0])
-
-        def walk_kernel(async_products=False):
-            return state_gradients(*args, **walk, async_products=async_products)
-
-        for label, a, b in zip(("dS", "dh0"), walk_kernel(), walk_kernel(async_products=True)):
-            error = float(relative_error(b, a))
-            if not error <= 1e-3:  # also catches NaN
-                raise AssertionError(f"state_grads {name}: the candidate's {label} is {error:.2e} from the walk's")
-        yield name, {"walk": _median_ms(walk_kernel, rep_ms),
-                     "async_products": _median_ms(lambda: walk_kernel(async_products=True), rep_ms)}
-
-
 COMPARISONS = {"keep_forward": compare_keep_forward, "conv": compare_conv, "inverse": compare_inverse,
-               "inverse_l2norm": compare_inverse_l2norm, "chunk_grads_l2norm": compare_chunk_grads_l2norm,
-               "state_grads": compare_state_grads}
+               "chunk_grads_l2norm": compare_chunk_grads_l2norm}
 
 
 def run_comparisons(names: list[str], rep_ms: int, json_path: str | None) -> None:

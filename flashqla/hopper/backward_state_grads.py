@@ -25,18 +25,12 @@ _C = CHUNK_SIZE
 _THREADS = 128
 
 
-def state_grads_program(value_block: int = 32, pieces: bool = False, async_products: bool = False):
+def state_grads_program(value_block: int = 32, pieces: bool = False):
     """pieces=False: one CTA per (V block, head, sequence).
     pieces=True (what backward.py runs where the forward's plan cut a sequence): one CTA per (V block,
     head, piece of a sequence); the CTA starts at walk_end[piece, head] (the sequence end, from dht,
     or a chunk boundary after the piece, from zero: a decay-truncated warm-up), stores dS only for
-    the piece's own chunks, and writes dh0 only when the piece starts its sequence.
-    async_products=True, a candidate (the bench's comparison and its GPU test only): the three
-    products of a chunk that do not need dDelta (K dS, Pm^T dO, Q^T (scale D dO)) are issued
-    together (T.wgmma_gemm) and waited for where read, so a chunk's chain is three products deep
-    instead of five. Its loads are its own TMA double buffer, not T.Pipelined: the pipeliner's
-    consumer frees a stage once the last product reading it is issued, which for an asynchronous
-    product is before it has read it (docs/kernel-notes.md, fourteenth session)."""
+    the piece's own chunks, and writes dh0 only when the piece starts its sequence."""
     K = V = HEAD_DIM
     BV = value_block
     num_value_blocks = V // BV
@@ -48,86 +42,6 @@ def state_grads_program(value_block: int = 32, pieces: bool = False, async_produ
     num_pieces = T.dynamic("num_pieces")
     op = "bfloat16"
     f32 = "float32"
-
-    def chunk_start(it, seq_chunks, walk_first, bos):
-        """The first row of walk step it's chunk (the walk takes the chunks in reverse)."""
-        if pieces:
-            return walk_first + (seq_chunks - 1 - it) * _C
-        return bos + (seq_chunks - 1 - it) * _C
-
-    @T.macro
-    def load_chunk(q_st, k_st, do_st, ab_st, pm_st, barrier, start, head, qk_head, v0, q, k, do, gated_inverse,
-                   scores):
-        """Issue the TMA loads of one chunk's tiles into a stage; barrier[0] completes when all have landed."""
-        T.tma_copy(q[start:start + _C, qk_head, 0:K], q_st, barrier=barrier[0])
-        T.tma_copy(k[start:start + _C, qk_head, 0:K], k_st, barrier=barrier[0])
-        T.tma_copy(do[start:start + _C, head, v0:v0 + BV], do_st, barrier=barrier[0])
-        T.tma_copy(gated_inverse[start:start + _C, head, 0:_C], ab_st, barrier=barrier[0])
-        T.tma_copy(scores[start:start + _C, head, 0:_C], pm_st, barrier=barrier[0])
-        if T.shuffle_elect(_THREADS):
-            T.barrier_arrive(barrier[0])
-
-    @T.macro
-    def chunk_step(it, parity, q_st, k_st, do_st, ab_st, pm_st, barrier, q_nx, k_nx, do_nx, ab_nx, pm_nx,
-                   next_barrier, seq_chunks, walk_first, bos, eos, first_chunk, row, head, qk_head, v0, gam_s, dec_s,
-                   rdec_s, pm_m_s, ds_s, d_delta_s, du_s, dog_s, ds, d_delta, pm_do, dw, gamma_next, q, k, do,
-                   gated_inverse, scores, gamma, chunk_state_grads, piece_table, scale):
-        """One chunk of the reverse walk, its tiles in the stage *_st; the next chunk's load goes into
-        the stage *_nx, whose last reader (the step before) has finished."""
-        tx = T.get_thread_binding()
-        start = chunk_start(it, seq_chunks, walk_first, bos)
-        last = T.min(eos - start, _C) - 1
-        next_start = chunk_start(it + 1, seq_chunks, walk_first, bos)
-        T.sync_threads()  # every product of the step before is done (its last wait), in every warp
-        if tx < _C:  # padded rows repeat the last gamma, so e^{gamma_C} is the decay over the real tokens
-            gam_s[tx] = gamma_next[0]
-        if it + 1 < seq_chunks:
-            load_chunk(q_nx, k_nx, do_nx, ab_nx, pm_nx, next_barrier, next_start, head, qk_head, v0, q, k, do,
-                       gated_inverse, scores)
-            if tx < _C:
-                gamma_next[0] = gamma[next_start + T.min(tx, T.min(eos - next_start, _C) - 1), head]
-        T.sync_threads()
-        for t in T.Parallel(_C):
-            dec_s[t] = T.exp(gam_s[t])
-            rdec_s[t] = T.exp(gam_s[_C - 1] - gam_s[t])
-        T.mbarrier_wait_parity(barrier[0], parity)
-        # Whole tiles, as the pipelined walk: Pm masked into its own buffer, dDelta's and D dO's padded
-        # rows zeroed, which keeps rows past the sequence end out of dS (Ab is zero above its diagonal).
-        for t, s in T.Parallel(_C, _C):
-            pm_m_s[t, s] = T.if_then_else(t <= last, pm_st[t, s], T.cast(0, op))
-        for i, j in T.Parallel(K, BV):
-            ds_s[i, j] = T.cast(ds[i, j], op)
-        if pieces:
-            if start < piece_table[row, 2]:  # warm-up chunks belong to the next piece's CTA
-                T.copy(ds_s, chunk_state_grads[first_chunk + (start - bos) // _C, head, 0:K, v0:v0 + BV])
-        else:
-            T.copy(ds_s, chunk_state_grads[first_chunk + (start - bos) // _C, head, 0:K, v0:v0 + BV])
-        for t, d in T.Parallel(_C, BV):
-            dog_s[t, d] = T.if_then_else(t <= last, T.cast(scale * dec_s[t] * T.cast(do_st[t, d], f32), op),
-                                         T.cast(0, op))
-        # dS is scaled before any product is in flight: ptxas serialises the products (C7517) when
-        # registers a product once wrote are touched while others run
-        for i, j in T.Parallel(K, BV):
-            ds[i, j] = ds[i, j] * T.exp(gam_s[_C - 1])
-        # a fence after each wait names the accumulator's registers a thread holds, so its reads stay
-        # below the wait (the default would be the whole fragment's count)
-        T.wgmma_gemm(k_st, ds_s, d_delta, clear_accum=True)
-        T.wgmma_gemm(pm_m_s, do_st, pm_do, transpose_A=True, clear_accum=True)
-        T.wgmma_gemm(q_st, dog_s, ds, transpose_A=True)
-        T.wait_wgmma(1)  # K dS and Pm^T dO are done; Q^T (scale D dO) may still run
-        T.warpgroup_fence_operand(d_delta, num_regs=_C * BV // _THREADS)
-        T.warpgroup_fence_operand(pm_do, num_regs=_C * BV // _THREADS)
-        for t, d in T.Parallel(_C, BV):
-            d_delta_s[t, d] = T.if_then_else(t <= last, T.cast(d_delta[t, d] * rdec_s[t] + pm_do[t, d], op),
-                                             T.cast(0, op))
-        T.wgmma_gemm(ab_st, d_delta_s, dw, transpose_A=True, clear_accum=True)
-        T.wait_wgmma(0)
-        T.warpgroup_fence_operand(dw, num_regs=_C * BV // _THREADS)
-        for t, d in T.Parallel(_C, BV):
-            du_s[t, d] = T.cast(-dec_s[t] * dw[t, d], op)
-        T.wgmma_gemm(k_st, du_s, ds, transpose_A=True)
-        T.wait_wgmma(0)
-        T.warpgroup_fence_operand(ds, num_regs=K * BV // _THREADS)
 
     @T.prim_func
     def state_grads_kernel(
@@ -174,19 +88,6 @@ def state_grads_program(value_block: int = 32, pieces: bool = False, async_produ
             ds = T.alloc_fragment((K, BV), f32)
             d_delta = T.alloc_fragment((_C, BV), f32)
             dw = T.alloc_fragment((_C, BV), f32)
-            if async_products:
-                pm_do = T.alloc_fragment((_C, BV), f32)  # Pm^T dO, added to E K dS once both are done
-                # the second stage of the double buffer (q_s, k_s, do_s, ab_s, pm_s are the first)
-                q_s1 = T.alloc_shared((_C, K), op)
-                k_s1 = T.alloc_shared((_C, K), op)
-                do_s1 = T.alloc_shared((_C, BV), op)
-                ab_s1 = T.alloc_shared((_C, _C), op)
-                pm_s1 = T.alloc_shared((_C, _C), op)
-                dec_s = T.alloc_shared((_C,), f32)  # e^{gamma_t}
-                rdec_s = T.alloc_shared((_C,), f32)  # e^{gamma_C - gamma_t}
-                loads0 = T.alloc_barrier([1])  # stage 0 (q_s, ...) has landed
-                loads1 = T.alloc_barrier([1])  # stage 1 (q_s1, ...)
-                gamma_next = T.alloc_local((1,), f32)  # this thread's gamma entry of the next chunk
 
             if pieces:
                 if walk_last == eos:
@@ -195,75 +96,52 @@ def state_grads_program(value_block: int = 32, pieces: bool = False, async_produ
                     T.clear(ds)
             else:
                 T.copy(dht[seq, head, 0:K, v0:v0 + BV], ds)
-            if async_products:
-                # The two stages take turns: step 2p reads stage 0 (q_s, ...), step 2p + 1 stage 1
-                # (q_s1, ...); each stage's barrier completes once a pair of steps (parity p % 2).
-                tx = T.get_thread_binding()
-                if seq_chunks > 0:
-                    first_start = chunk_start(0, seq_chunks, walk_first, bos)
-                    load_chunk(q_s, k_s, do_s, ab_s, pm_s, loads0, first_start, head, qk_head, v0, q, k, do,
-                               gated_inverse, scores)
-                    if tx < _C:
-                        gamma_next[0] = gamma[first_start + T.min(tx, T.min(eos - first_start, _C) - 1), head]
-                for pair in T.serial((seq_chunks + 1) // 2):
-                    chunk_step(2 * pair, pair % 2, q_s, k_s, do_s, ab_s, pm_s, loads0, q_s1, k_s1, do_s1, ab_s1,
-                               pm_s1, loads1, seq_chunks, walk_first, bos, eos, first_chunk, row, head, qk_head,
-                               v0, gam_s, dec_s, rdec_s, pm_m_s, ds_s, d_delta_s, du_s, dog_s, ds, d_delta, pm_do,
-                               dw, gamma_next, q, k, do, gated_inverse, scores, gamma, chunk_state_grads,
-                               piece_table, scale)
-                    if 2 * pair + 1 < seq_chunks:
-                        chunk_step(2 * pair + 1, pair % 2, q_s1, k_s1, do_s1, ab_s1, pm_s1, loads1, q_s, k_s,
-                                   do_s, ab_s, pm_s, loads0, seq_chunks, walk_first, bos, eos, first_chunk, row,
-                                   head, qk_head, v0, gam_s, dec_s, rdec_s, pm_m_s, ds_s, d_delta_s, du_s, dog_s,
-                                   ds, d_delta, pm_do, dw, gamma_next, q, k, do, gated_inverse, scores, gamma,
-                                   chunk_state_grads, piece_table, scale)
-            else:
-                for it in T.Pipelined(seq_chunks, num_stages=2):
-                    if pieces:
-                        start = walk_first + (seq_chunks - 1 - it) * _C
-                        chunk = (start - bos) // _C
-                    else:
-                        chunk = seq_chunks - 1 - it
-                        start = bos + chunk * _C
-                    last = T.min(eos - start, _C) - 1
-                    # Whole tiles; rows past the sequence end hold the next sequence's data. The pipelined
-                    # buffers stay as loaded: Pm is masked into its own buffer and dDelta's padded rows
-                    # are zeroed, which keeps those rows out of dS (Ab is zero above its diagonal).
-                    T.copy(q[start:start + _C, qk_head, 0:K], q_s)
-                    T.copy(k[start:start + _C, qk_head, 0:K], k_s)
-                    T.copy(do[start:start + _C, head, v0:v0 + BV], do_s)
-                    T.copy(gated_inverse[start:start + _C, head, 0:_C], ab_s)
-                    T.copy(scores[start:start + _C, head, 0:_C], pm_s)
-                    # Padded rows repeat the last gamma, so e^{gamma_C} is the decay over the real tokens.
-                    for t in T.Parallel(_C):
-                        gam_s[t] = gamma[start + T.min(t, last), head]
-                    for t, s in T.Parallel(_C, _C):
-                        pm_m_s[t, s] = T.if_then_else(t <= last, pm_s[t, s], T.cast(0, op))
+            for it in T.Pipelined(seq_chunks, num_stages=2):
+                if pieces:
+                    start = walk_first + (seq_chunks - 1 - it) * _C
+                    chunk = (start - bos) // _C
+                else:
+                    chunk = seq_chunks - 1 - it
+                    start = bos + chunk * _C
+                last = T.min(eos - start, _C) - 1
+                # Whole tiles; rows past the sequence end hold the next sequence's data. The pipelined
+                # buffers stay as loaded: Pm is masked into its own buffer and dDelta's padded rows
+                # are zeroed, which keeps those rows out of dS (Ab is zero above its diagonal).
+                T.copy(q[start:start + _C, qk_head, 0:K], q_s)
+                T.copy(k[start:start + _C, qk_head, 0:K], k_s)
+                T.copy(do[start:start + _C, head, v0:v0 + BV], do_s)
+                T.copy(gated_inverse[start:start + _C, head, 0:_C], ab_s)
+                T.copy(scores[start:start + _C, head, 0:_C], pm_s)
+                # Padded rows repeat the last gamma, so e^{gamma_C} is the decay over the real tokens.
+                for t in T.Parallel(_C):
+                    gam_s[t] = gamma[start + T.min(t, last), head]
+                for t, s in T.Parallel(_C, _C):
+                    pm_m_s[t, s] = T.if_then_else(t <= last, pm_s[t, s], T.cast(0, op))
 
-                    for i, j in T.Parallel(K, BV):
-                        ds_s[i, j] = T.cast(ds[i, j], op)
-                    if pieces:
-                        if start < piece_table[row, 2]:  # warm-up chunks belong to the next piece's CTA
-                            T.copy(ds_s, chunk_state_grads[first_chunk + chunk, head, 0:K, v0:v0 + BV])
-                    else:
+                for i, j in T.Parallel(K, BV):
+                    ds_s[i, j] = T.cast(ds[i, j], op)
+                if pieces:
+                    if start < piece_table[row, 2]:  # warm-up chunks belong to the next piece's CTA
                         T.copy(ds_s, chunk_state_grads[first_chunk + chunk, head, 0:K, v0:v0 + BV])
-                    for t, d in T.Parallel(_C, BV):
-                        dog_s[t, d] = T.if_then_else(
-                            t <= last, T.cast(scale * T.exp(gam_s[t]) * T.cast(do_s[t, d], f32), op), T.cast(0, op))
+                else:
+                    T.copy(ds_s, chunk_state_grads[first_chunk + chunk, head, 0:K, v0:v0 + BV])
+                for t, d in T.Parallel(_C, BV):
+                    dog_s[t, d] = T.if_then_else(
+                        t <= last, T.cast(scale * T.exp(gam_s[t]) * T.cast(do_s[t, d], f32), op), T.cast(0, op))
 
-                    T.gemm(k_s, ds_s, d_delta, clear_accum=True)
-                    for t, d in T.Parallel(_C, BV):
-                        d_delta[t, d] = d_delta[t, d] * T.exp(gam_s[_C - 1] - gam_s[t])
-                    T.gemm(pm_m_s, do_s, d_delta, transpose_A=True)
-                    for t, d in T.Parallel(_C, BV):
-                        d_delta_s[t, d] = T.if_then_else(t <= last, T.cast(d_delta[t, d], op), T.cast(0, op))
-                    T.gemm(ab_s, d_delta_s, dw, transpose_A=True, clear_accum=True)
-                    for t, d in T.Parallel(_C, BV):
-                        du_s[t, d] = T.cast(-T.exp(gam_s[t]) * dw[t, d], op)
-                    for i, j in T.Parallel(K, BV):
-                        ds[i, j] = ds[i, j] * T.exp(gam_s[_C - 1])
-                    T.gemm(q_s, dog_s, ds, transpose_A=True)
-                    T.gemm(k_s, du_s, ds, transpose_A=True)
+                T.gemm(k_s, ds_s, d_delta, clear_accum=True)
+                for t, d in T.Parallel(_C, BV):
+                    d_delta[t, d] = d_delta[t, d] * T.exp(gam_s[_C - 1] - gam_s[t])
+                T.gemm(pm_m_s, do_s, d_delta, transpose_A=True)
+                for t, d in T.Parallel(_C, BV):
+                    d_delta_s[t, d] = T.if_then_else(t <= last, T.cast(d_delta[t, d], op), T.cast(0, op))
+                T.gemm(ab_s, d_delta_s, dw, transpose_A=True, clear_accum=True)
+                for t, d in T.Parallel(_C, BV):
+                    du_s[t, d] = T.cast(-T.exp(gam_s[t]) * dw[t, d], op)
+                for i, j in T.Parallel(K, BV):
+                    ds[i, j] = ds[i, j] * T.exp(gam_s[_C - 1])
+                T.gemm(q_s, dog_s, ds, transpose_A=True)
+                T.gemm(k_s, du_s, ds, transpose_A=True)
 
             if pieces:
                 if walk_first == bos:
@@ -275,13 +153,12 @@ def state_grads_program(value_block: int = 32, pieces: bool = False, async_produ
 
 
 @functools.lru_cache(maxsize=None)
-def compile_state_grads(value_block: int = 32, pieces: bool = False, async_products: bool = False):
-    return compile_for_hopper(state_grads_program(value_block, pieces, async_products), fast_math=True)
+def compile_state_grads(value_block: int = 32, pieces: bool = False):
+    return compile_for_hopper(state_grads_program(value_block, pieces), fast_math=True)
 
 
 def state_gradients(q, k, gamma, gated_inverse, scores, do, dht, scale, cu_seqlens, offsets, num_chunks,
-                    value_block, pieces: torch.Tensor | None = None, walk_end: torch.Tensor | None = None,
-                    async_products: bool = False):
+                    value_block, pieces: torch.Tensor | None = None, walk_end: torch.Tensor | None = None):
     """(dS leaving every chunk, bf16 [num_chunks, Hv, 128, 128]; dh0, float32 [N, Hv, 128, 128]).
 
     q, k: [T, Hqk, 128] bf16; gamma (chunk-local cumsum): [T, Hv] fp32; gated_inverse (Ab), scores
@@ -289,7 +166,6 @@ def state_gradients(q, k, gamma, gated_inverse, scores, do, dht, scale, cu_seqle
     dht: [N, Hv, 128, 128] fp32; cu_seqlens, offsets: int32 [N + 1].
     pieces, walk_end: a forward plan's pieces (every sequence covered by one or more) and
     their walk_bounds(ahead=True); both None walks every sequence whole.
-    async_products: the candidate walk of state_grads_program(async_products=True).
     """
     if (pieces is None) != (walk_end is None):
         raise ValueError("state_gradients: pass pieces and walk_end together, or neither")
@@ -301,6 +177,6 @@ def state_gradients(q, k, gamma, gated_inverse, scores, do, dht, scale, cu_seqle
     if not with_pieces:  # placeholders, unread by the whole-sequence kernel
         pieces = torch.zeros(1, PIECE_FIELDS, dtype=torch.int32, device=q.device)
         walk_end = torch.zeros(1, num_v_heads, dtype=torch.int32, device=q.device)
-    compile_state_grads(value_block, with_pieces, async_products)(
-        q, k, gamma, gated_inverse, scores, do, dht, cu_seqlens, offsets, grads, dh0, pieces, walk_end, float(scale))
+    compile_state_grads(value_block, with_pieces)(q, k, gamma, gated_inverse, scores, do, dht, cu_seqlens, offsets,
+                                                  grads, dh0, pieces, walk_end, float(scale))
     return grads, dh0

@@ -23,13 +23,11 @@ from flashqla.hopper.walk_bounds import compile_walk_bounds
 COMPILE_CHECKS = [
     ("chunk_local_cumsum", lambda: compile_cumsum()),
     ("chunk_inverse", lambda: compile_inverse()),
-    ("chunk_inverse_l2norm_candidate", lambda: compile_inverse(normalise_keys=True)),
     ("fused_forward", lambda: compile_fused_forward(64)),
     ("fused_forward_keeping_all", lambda: compile_fused_forward(128, store_chunk_states=True, store_products=True)),
     ("chunk_states", lambda: compile_chunk_states(64, with_transition=True)),
     ("backward_state_grads", lambda: compile_state_grads(32)),
     ("backward_state_grads_pieces", lambda: compile_state_grads(64, pieces=True)),
-    ("backward_state_grads_async_candidate", lambda: compile_state_grads(64, pieces=True, async_products=True)),
     ("backward_chunk_grads", compile_chunk_grads),
     ("backward_chunk_grads_l2norm", lambda: compile_chunk_grads(l2norm_backward=True)),
     ("causal_conv_forward", lambda: compile_conv_forward("bfloat16")),

@@ -23,64 +23,31 @@ import tilelang.language as T
 import torch
 
 from flashqla.hopper.common import CHUNK_SIZE, HEAD_DIM, compile_for_hopper, dtype_name
-from flashqla.hopper.l2norm import EPS
 
 _THREADS = 128
 _C = CHUNK_SIZE
 _BLOCK = 16
 _HALF = _C // 2
-_VECTOR = 8  # elements a thread loads at once (16 bytes of bf16 / fp16)
 # Eight CTAs an SM (registers <= 64 a thread, ~20 KB of shared memory each): 32 warps hide each other's loads.
 MIN_BLOCKS_PER_SM = 8
 
 
 def inverse_program(head_dim: int = HEAD_DIM, dtype: str = "bfloat16", beta_dtype: str = "float32",
-                    min_blocks_per_sm: int = MIN_BLOCKS_PER_SM, normalise_keys: bool = False):
-    """normalise_keys, a candidate (the bench's comparison and its GPU test only): k enters
-    unnormalised and the kernel applies the q/k L2 norm to it (flashqla/hopper/l2norm.py's math) before
-    K K^T; the CTA of each group's first value head also writes k^ [T, Hqk, K] and r [T, Hqk], which
-    saves the norm's own read of k."""
+                    min_blocks_per_sm: int = MIN_BLOCKS_PER_SM):
     num_tokens = T.dynamic("num_tokens")
     num_sequences = T.dynamic("num_sequences")
     num_chunks = T.dynamic("num_chunks")
     num_v_heads = T.dynamic("num_v_heads")
     num_qk_heads = T.dynamic("num_qk_heads")
-    f32 = "float32"
-    lanes = _THREADS // _C  # threads a row of k (the normalisation's mapping)
-    part = head_dim // lanes  # elements of a row one thread takes
 
-    @T.macro
-    def normalise_rows(k_shared, k_normalised, k_rstd, start, length, head, qk_head, thread, group):
-        """k_shared's rows become x r, r = (sum x^2 + eps)^(-1/2) in float32, rounded once; two threads
-        a row, each its half, summed by one shuffle. Each thread rewrites only what it read."""
-        row = thread // lanes
-        first = (thread % lanes) * part
-        values = T.alloc_local((_VECTOR,), f32)
-        square_sum = T.alloc_local((1,), f32)
-        square_sum[0] = 0.0
-        for c in T.serial(part // _VECTOR):
-            for j in T.vectorized(_VECTOR):
-                values[j] = T.cast(k_shared[row, first + c * _VECTOR + j], f32)
-            for j in T.unroll(_VECTOR):
-                square_sum[0] = square_sum[0] + values[j] * values[j]
-        square_sum[0] = square_sum[0] + T.shfl_xor(square_sum[0], 1)
-        square_sum[0] = T.rsqrt(square_sum[0] + EPS)
-        for c in T.serial(part // _VECTOR):
-            for j in T.vectorized(_VECTOR):
-                k_shared[row, first + c * _VECTOR + j] = T.cast(
-                    T.cast(k_shared[row, first + c * _VECTOR + j], f32) * square_sum[0], dtype)
-        if head % group == 0:
-            if row < length:
-                for c in T.serial(part // _VECTOR):
-                    for j in T.vectorized(_VECTOR):
-                        k_normalised[start + row, qk_head, first + c * _VECTOR + j] = \
-                            k_shared[row, first + c * _VECTOR + j]
-                if thread % lanes == 0:
-                    k_rstd[start + row, qk_head] = square_sum[0]
-
-    @T.macro
-    def solve_chunks(k, beta, cu_seqlens, chunk_index, inverse, k_normalised, k_rstd):
-        """One CTA a (value head, chunk): A~ of the chunk (the module docstring's steps)."""
+    @T.prim_func
+    def chunk_inverse_kernel(
+        k: T.Tensor((num_tokens, num_qk_heads, head_dim), dtype),
+        beta: T.Tensor((num_tokens, num_v_heads), beta_dtype),
+        cu_seqlens: T.Tensor((num_sequences + 1,), "int32"),
+        chunk_index: T.Tensor((num_chunks, 2), "int32"),
+        inverse: T.Tensor((num_tokens, num_v_heads, _C), dtype),
+    ):
         # Value heads of one chunk are neighbours in the grid: a qk head's group reads its k tile from L2.
         with T.Kernel(num_v_heads, num_chunks, threads=_THREADS) as (head, chunk):
             # Held in variables: an expression is inlined into every index, as 64-bit divisions there.
@@ -113,9 +80,6 @@ def inverse_program(head_dim: int = HEAD_DIM, dtype: str = "bfloat16", beta_dtyp
 
             for t, d in T.Parallel(_C, head_dim):
                 k_shared[t, d] = T.if_then_else(t < length, k[start + t, qk_head, d], T.cast(0, dtype))
-            if k_normalised is not None:
-                normalise_rows(k_shared, k_normalised, k_rstd, start, length, head, qk_head, thread,
-                               num_v_heads // num_qk_heads)
             for t in T.Parallel(_C):
                 beta_shared[t] = T.if_then_else(t < length, T.cast(beta[start + t, head], "float32"), 0.0)
             T.gemm(k_shared, k_shared, gram, transpose_B=True, clear_accum=True)
@@ -181,39 +145,13 @@ def inverse_program(head_dim: int = HEAD_DIM, dtype: str = "bfloat16", beta_dtyp
                 if i < length:
                     inverse[start + i, head, j] = out_shared[i, j]
 
-
-    if normalise_keys:
-        @T.prim_func
-        def chunk_inverse_l2norm_kernel(
-            k: T.Tensor((num_tokens, num_qk_heads, head_dim), dtype),
-            beta: T.Tensor((num_tokens, num_v_heads), beta_dtype),
-            cu_seqlens: T.Tensor((num_sequences + 1,), "int32"),
-            chunk_index: T.Tensor((num_chunks, 2), "int32"),
-            inverse: T.Tensor((num_tokens, num_v_heads, _C), dtype),
-            k_normalised: T.Tensor((num_tokens, num_qk_heads, head_dim), dtype),
-            k_rstd: T.Tensor((num_tokens, num_qk_heads), f32),
-        ):
-            solve_chunks(k, beta, cu_seqlens, chunk_index, inverse, k_normalised, k_rstd)
-
-        return chunk_inverse_l2norm_kernel
-
-    @T.prim_func
-    def chunk_inverse_kernel(
-        k: T.Tensor((num_tokens, num_qk_heads, head_dim), dtype),
-        beta: T.Tensor((num_tokens, num_v_heads), beta_dtype),
-        cu_seqlens: T.Tensor((num_sequences + 1,), "int32"),
-        chunk_index: T.Tensor((num_chunks, 2), "int32"),
-        inverse: T.Tensor((num_tokens, num_v_heads, _C), dtype),
-    ):
-        solve_chunks(k, beta, cu_seqlens, chunk_index, inverse, None, None)
-
     return chunk_inverse_kernel
 
 
 @functools.lru_cache(maxsize=None)
 def compile_inverse(head_dim: int = HEAD_DIM, dtype: str = "bfloat16", beta_dtype: str = "float32",
-                    min_blocks_per_sm: int = MIN_BLOCKS_PER_SM, normalise_keys: bool = False):
-    program = inverse_program(head_dim, dtype, beta_dtype, min_blocks_per_sm, normalise_keys)
+                    min_blocks_per_sm: int = MIN_BLOCKS_PER_SM):
+    program = inverse_program(head_dim, dtype, beta_dtype, min_blocks_per_sm)
     return compile_for_hopper(program, fast_math=True)
 
 
@@ -227,19 +165,3 @@ def chunk_inverse(k: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor,
         kernel = compile_inverse(head_dim, dtype_name(k), dtype_name(beta))
         kernel(k, beta, cu_seqlens, chunk_index, inverse)
     return inverse
-
-
-def chunk_inverse_normalising_keys(k: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor,
-                                   chunk_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The candidate of inverse_program(normalise_keys=True): (A~ of the L2-normalised keys, the
-    normalised keys k^ [T, Hqk, K] in k's dtype, their r float32 [T, Hqk]) for unnormalised k, as
-    chunk_inverse(k^) and flashqla/hopper/l2norm.py's forward give them up to summation order."""
-    num_tokens, num_qk_heads, head_dim = k.shape
-    num_v_heads = beta.shape[1]
-    inverse = torch.empty(num_tokens, num_v_heads, _C, dtype=k.dtype, device=k.device)
-    k_normalised = torch.empty_like(k)
-    k_rstd = torch.empty(num_tokens, num_qk_heads, dtype=torch.float32, device=k.device)
-    if chunk_index.shape[0] > 0:
-        kernel = compile_inverse(head_dim, dtype_name(k), dtype_name(beta), normalise_keys=True)
-        kernel(k, beta, cu_seqlens, chunk_index, inverse, k_normalised, k_rstd)
-    return inverse, k_normalised, k_rstd
