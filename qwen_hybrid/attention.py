@@ -84,6 +84,23 @@ def causal_attention(q, k, v, documents=None, backend: str = "auto") -> torch.Te
     return _sdpa_backends(q, k, v, documents if packed else None)
 
 
+def attention_kernels(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
+    """What `causal_attention` runs under `backend` on this device, in words (the run log says it, so
+    that "auto" never leaves a user guessing whether FlashAttention-4 ran)."""
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
+    sdpa = "torch SDPA for one document, varlen_attn (FlashAttention-2) for a pack on CUDA"
+    if backend == "sdpa":
+        return f"sdpa: {sdpa}"
+    reason = fa4_unavailable_reason(device, dtype, head_dim)
+    if backend == "fa4":
+        return "fa4: FlashAttention-4 for every pack" if reason is None else f"fa4: cannot run: {reason}"
+    if reason is not None:
+        return f"auto: {sdpa} (FlashAttention-4 not used: {reason})"
+    return (f"auto: FlashAttention-4 for a pack of several documents; for one document of >= "
+            f"{FA4_FORWARD_MIN_TOKENS} tokens its forward with cuDNN's backward; else {sdpa}")
+
+
 def _fa4(q, k, v, documents) -> torch.Tensor:
     dense, varlen = _fa4_functions()
     if documents is None:

@@ -36,6 +36,7 @@
 #   model-vs-hf         python -m benchmarks.model_vs_hf: ours, HF + FLA, HF + FlashQLA at 16384 tokens
 #   train-8k            launch/benchmark.sh 0.8B 8192 tilelang,fla
 #   train-128k-tilelang launch/benchmark.sh 0.8B 131072 tilelang
+#   train-128k-attention  the same, kernel timing off, with model.attention_backend=sdpa and =auto (FA4 where unpacked)
 #   train-128k-fla      launch/benchmark.sh 0.8B 131072 fla
 #   train-2b            launch/benchmark.sh 2B 131072 tilelang (memory at 128k)
 #   train               the four train parts above
@@ -251,6 +252,14 @@ print("max |difference|", max(abs(losses[0][s] - losses[1][s]) for s in losses[0
     train-256k) train_run train-0.8B-256k-tilelang 0.8B 262144 tilelang ;;
     train-8k) train_run train-0.8B-8k-compare 0.8B 8192 tilelang,fla ;;
     train-128k-tilelang) train_run train-0.8B-128k-tilelang 0.8B 131072 tilelang ;;
+    train-128k-attention)
+        # issue 15's 131072 row as users run it (kernel timing off) on each attention backend: sdpa (cuDNN both
+        # ways), auto (FA4's forward with cuDNN's backward where FA4 imports: source tools/fa4_kit.sh unpack first)
+        for backend in sdpa auto; do
+            TAG=attention-$backend train_run "train-128k-$backend" 0.8B 131072 tilelang benchmark.kernel_timing=false \
+                model.attention_backend=$backend
+        done
+        ;;
     train-128k-fla) train_run train-0.8B-128k-fla 0.8B 131072 fla ;;
     train-2b) train_run train-2B-128k-tilelang 2B 131072 tilelang ;;
     train)

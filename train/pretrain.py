@@ -41,6 +41,7 @@ from omegaconf.errors import MissingMandatoryValue
 from tqdm import tqdm
 
 from qwen_hybrid import QwenHybridConfig, QwenHybridForCausalLM
+from qwen_hybrid.attention import attention_kernels
 from qwen_hybrid.checkpoint_io import read_config
 from qwen_hybrid.parallel import (
     ParallelGroups,
@@ -441,7 +442,8 @@ def setup(cfg: DictConfig, resume_point: ResumePoint | None) -> Run:
             f"{groups.dp_size}), ZeRO-{cfg.deepspeed.zero_stage}"
             f"{' (as ZeRO-1 without gradient hooks: one data-parallel rank)' if without_gradient_hooks(cfg, groups.get_data_parallel_world_size()) else ''}, "
             f"{cfg.train.precision}, "
-            f"data {dataset.path} ({dataset.num_tokens} tokens)"
+            f"data {dataset.path} ({dataset.num_tokens} tokens)\n"
+            f"attention {attention_kernels(engine.module.config.attention_backend, device, dtype, engine.module.config.head_dim)}"
         )
     return Run(
         cfg=cfg, rank=rank, world_size=world_size, device=device, groups=groups, run_dir=run_dir, engine=engine,

@@ -3,7 +3,7 @@ choice `auto` makes, and the errors for a backend that cannot run."""
 import pytest
 import torch
 
-from qwen_hybrid.attention import FA4ForwardCudnnBackward, causal_attention, fa4_unavailable_reason
+from qwen_hybrid.attention import FA4ForwardCudnnBackward, attention_kernels, causal_attention, fa4_unavailable_reason
 from qwen_hybrid.config import QwenHybridConfig
 from qwen_hybrid.layers import DocumentLayout
 
@@ -90,6 +90,23 @@ def test_auto_picks_fa4_for_packs_and_its_forward_for_long_documents(monkeypatch
     run([attention.FA4_FORWARD_MIN_TOKENS], backend="fa4")
     run([100, 50], backend="sdpa")
     assert calls == ["fa4 varlen", "fa4 + cudnn", "sdpa", "fa4 dense", "sdpa"]
+
+
+def test_the_run_log_says_which_attention_kernels_run(monkeypatch):
+    """attention_kernels: what each backend runs here, and why "auto" left FlashAttention-4 out."""
+    import qwen_hybrid.attention as attention
+
+    cpu = torch.device("cpu")
+    assert attention_kernels("sdpa", cpu, torch.bfloat16, 256).startswith("sdpa: torch SDPA")
+    assert "FlashAttention-4 not used: FlashAttention-4 runs on CUDA devices, got cpu" in attention_kernels(
+        "auto", cpu, torch.bfloat16, 256)
+    assert "cannot run" in attention_kernels("fa4", cpu, torch.bfloat16, 256)
+    with pytest.raises(ValueError, match="attention backend must be one of .*got 'flash'"):
+        attention_kernels("flash", cpu, torch.bfloat16, 256)
+    monkeypatch.setattr(attention, "fa4_unavailable_reason", lambda *args: None)
+    described = attention_kernels("auto", cpu, torch.bfloat16, 256)
+    assert "FlashAttention-4 for a pack" in described and f">= {attention.FA4_FORWARD_MIN_TOKENS} tokens" in described
+    assert attention_kernels("fa4", cpu, torch.bfloat16, 256) == "fa4: FlashAttention-4 for every pack"
 
 
 def errors_against_float64(runs: dict, lengths, seed: int) -> dict:
