@@ -25,12 +25,19 @@ _C = CHUNK_SIZE
 _THREADS = 128
 
 
-def state_grads_program(value_block: int = 32, pieces: bool = False):
+def state_grads_program(value_block: int = 32, pieces: bool = False, threads: int = _THREADS):
     """pieces=False: one CTA per (V block, head, sequence).
     pieces=True (what backward.py runs where the forward's plan cut a sequence): one CTA per (V block,
     head, piece of a sequence); the CTA starts at walk_end[piece, head] (the sequence end, from dht,
     or a chunk boundary after the piece, from zero: a decay-truncated warm-up), stores dS only for
-    the piece's own chunks, and writes dh0 only when the piece starts its sequence."""
+    the piece's own chunks, and writes dh0 only when the piece starts its sequence.
+    threads=256, a candidate (the bench's comparison and its GPU test only): two consumer
+    warpgroups instead of one, each taking half of the V block's columns in every product and half of
+    every elementwise pass. The walk is latency-bound (one chain of five products a chunk), so the
+    halved passes and narrower products shorten the chain; the arithmetic is element for element the
+    same, so the state gradients should be bitwise the 128-thread walk's."""
+    if threads not in (128, 256):
+        raise ValueError(f"state_grads_program: threads must be 128 or 256 (one or two warpgroups), got {threads}")
     K = V = HEAD_DIM
     BV = value_block
     num_value_blocks = V // BV
@@ -61,7 +68,7 @@ def state_grads_program(value_block: int = 32, pieces: bool = False):
         scale: T.float32,
     ):
         with T.Kernel(num_value_blocks, num_v_heads, num_pieces if pieces else num_sequences,
-                      threads=_THREADS) as (vblock, head, row):
+                      threads=threads) as (vblock, head, row):
             qk_head = head // (num_v_heads // num_qk_heads)
             v0 = vblock * BV
             seq = piece_table[row, 0] if pieces else row
@@ -153,12 +160,13 @@ def state_grads_program(value_block: int = 32, pieces: bool = False):
 
 
 @functools.lru_cache(maxsize=None)
-def compile_state_grads(value_block: int = 32, pieces: bool = False):
-    return compile_for_hopper(state_grads_program(value_block, pieces), fast_math=True)
+def compile_state_grads(value_block: int = 32, pieces: bool = False, threads: int = _THREADS):
+    return compile_for_hopper(state_grads_program(value_block, pieces, threads), fast_math=True)
 
 
 def state_gradients(q, k, gamma, gated_inverse, scores, do, dht, scale, cu_seqlens, offsets, num_chunks,
-                    value_block, pieces: torch.Tensor | None = None, walk_end: torch.Tensor | None = None):
+                    value_block, pieces: torch.Tensor | None = None, walk_end: torch.Tensor | None = None,
+                    threads: int = _THREADS):
     """(dS leaving every chunk, bf16 [num_chunks, Hv, 128, 128]; dh0, float32 [N, Hv, 128, 128]).
 
     q, k: [T, Hqk, 128] bf16; gamma (chunk-local cumsum): [T, Hv] fp32; gated_inverse (Ab), scores
@@ -166,6 +174,7 @@ def state_gradients(q, k, gamma, gated_inverse, scores, do, dht, scale, cu_seqle
     dht: [N, Hv, 128, 128] fp32; cu_seqlens, offsets: int32 [N + 1].
     pieces, walk_end: a forward plan's pieces (every sequence covered by one or more) and
     their walk_bounds(ahead=True); both None walks every sequence whole.
+    threads: the candidate of state_grads_program(threads=256).
     """
     if (pieces is None) != (walk_end is None):
         raise ValueError("state_gradients: pass pieces and walk_end together, or neither")
@@ -177,6 +186,6 @@ def state_gradients(q, k, gamma, gated_inverse, scores, do, dht, scale, cu_seqle
     if not with_pieces:  # placeholders, unread by the whole-sequence kernel
         pieces = torch.zeros(1, PIECE_FIELDS, dtype=torch.int32, device=q.device)
         walk_end = torch.zeros(1, num_v_heads, dtype=torch.int32, device=q.device)
-    compile_state_grads(value_block, with_pieces)(q, k, gamma, gated_inverse, scores, do, dht, cu_seqlens, offsets,
-                                                  grads, dh0, pieces, walk_end, float(scale))
+    compile_state_grads(value_block, with_pieces, threads)(q, k, gamma, gated_inverse, scores, do, dht, cu_seqlens,
+                                                           offsets, grads, dh0, pieces, walk_end, float(scale))
     return grads, dh0
