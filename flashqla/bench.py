@@ -39,7 +39,7 @@ ratios (timings live here, not in the GPU tests, so a busy machine cannot fail a
 - inverse: the chunks' inverse A~ against FlashQLA's kkt_solve;
 - chunk_grads_l2norm: the chunk gradients then the L2 norm's backward kernel against the chunk
   gradients with the norm's backward in their epilogues (backward.py picks by head layout);
-- state_grads: the state-gradient walk on one warpgroup against its candidate on two.
+- state_grads: the state-gradient walk against its candidates (two warpgroups, three stages, both).
 """
 from __future__ import annotations
 
@@ -456,11 +456,12 @@ def compare_inverse(rep_ms: int):
 
 
 def compare_state_grads(rep_ms: int):
-    """The state-gradient walk (backward_state_grads.py, as backward.py plans it) on one consumer
-    warpgroup against its candidate on two (`threads=256`), on the forward's kept Ab, P and gamma.
-    Raises where the candidate's dS or dh0 are not bitwise the walk's."""
+    """The state-gradient walk (backward_state_grads.py, as backward.py plans it: one consumer
+    warpgroup, loads two chunks deep) against its candidates (STATE_GRAD_CANDIDATES: two warpgroups,
+    three stages, both), on the forward's kept Ab, P and gamma. Raises where a candidate's dS or dh0
+    are not bitwise the walk's."""
     from flashqla.hopper.backward import MAX_VALUE_BLOCK, state_gradient_walk
-    from flashqla.hopper.backward_state_grads import state_gradients
+    from flashqla.hopper.backward_state_grads import STATE_GRAD_CANDIDATES, state_gradients
     from flashqla.hopper.chunk_plan import plan_forward
     from flashqla.hopper.forward import forward
     from flashqla.testing import relative_error
@@ -478,15 +479,18 @@ def compare_state_grads(rep_ms: int):
         args = (q[0], k[0], kept.gamma, kept.gated_inverse, kept.scores, do, dht, 128 ** -0.5, cu,
                 plan.chunk_offsets, plan.chunk_index.shape[0])
 
-        def walk_kernel(threads=128):
-            return state_gradients(*args, **walk, threads=threads)
+        def walk_kernel(threads=128, stages=2):
+            return state_gradients(*args, **walk, threads=threads, stages=stages)
 
-        for label, a, b in zip(("dS", "dh0"), walk_kernel(), walk_kernel(threads=256)):
-            if not torch.equal(a, b):
-                raise AssertionError(f"state_grads {name}: the candidate's {label} is not the walk's "
-                                     f"({float(relative_error(b, a)):.2e} from it)")
-        yield name, {"one_warpgroup": _median_ms(walk_kernel, rep_ms),
-                     "two_warpgroups": _median_ms(lambda: walk_kernel(threads=256), rep_ms)}
+        expected = walk_kernel()
+        times = {"walk": _median_ms(walk_kernel, rep_ms)}
+        for threads, stages in STATE_GRAD_CANDIDATES:
+            for label, a, b in zip(("dS", "dh0"), expected, walk_kernel(threads, stages)):
+                if not torch.equal(a, b):
+                    raise AssertionError(f"state_grads {name}: {threads} threads, {stages} stages: {label} is not "
+                                         f"the walk's ({float(relative_error(b, a)):.2e} from it)")
+            times[f"{threads}t_{stages}s"] = _median_ms(lambda: walk_kernel(threads, stages), rep_ms)
+        yield name, times
 
 
 COMPARISONS = {"keep_forward": compare_keep_forward, "conv": compare_conv, "inverse": compare_inverse,

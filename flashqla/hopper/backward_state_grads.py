@@ -23,21 +23,26 @@ from flashqla.hopper.common import CHUNK_SIZE, HEAD_DIM, compile_for_hopper
 
 _C = CHUNK_SIZE
 _THREADS = 128
+# (threads, stages) of the candidates beside the walk's (128, 2): see state_grads_program
+STATE_GRAD_CANDIDATES = ((256, 2), (128, 3), (256, 3))
 
 
-def state_grads_program(value_block: int = 32, pieces: bool = False, threads: int = _THREADS):
+def state_grads_program(value_block: int = 32, pieces: bool = False, threads: int = _THREADS, stages: int = 2):
     """pieces=False: one CTA per (V block, head, sequence).
     pieces=True (what backward.py runs where the forward's plan cut a sequence): one CTA per (V block,
     head, piece of a sequence); the CTA starts at walk_end[piece, head] (the sequence end, from dht,
     or a chunk boundary after the piece, from zero: a decay-truncated warm-up), stores dS only for
     the piece's own chunks, and writes dh0 only when the piece starts its sequence.
-    threads=256, a candidate (the bench's comparison and its GPU test only): two consumer
-    warpgroups instead of one, each taking half of the V block's columns in every product and half of
-    every elementwise pass. The walk is latency-bound (one chain of five products a chunk), so the
-    halved passes and narrower products shorten the chain; the arithmetic is element for element the
-    same, so the state gradients should be bitwise the 128-thread walk's."""
+    Candidates (the bench's comparison and its GPU test only), each bitwise the walk by construction
+    (the same operations on every element, in the same order):
+    threads=256: two consumer warpgroups instead of one, each taking half of the V block's columns in
+    every product and half of every elementwise pass, to shorten the chain of five products a chunk;
+    stages=3: the loads three chunks deep instead of two (216 KB of shared memory at a V block of 64),
+    in case the loads, not the chain, hold the walk."""
     if threads not in (128, 256):
         raise ValueError(f"state_grads_program: threads must be 128 or 256 (one or two warpgroups), got {threads}")
+    if stages not in (2, 3):
+        raise ValueError(f"state_grads_program: stages must be 2 or 3, got {stages}")
     K = V = HEAD_DIM
     BV = value_block
     num_value_blocks = V // BV
@@ -103,7 +108,7 @@ def state_grads_program(value_block: int = 32, pieces: bool = False, threads: in
                     T.clear(ds)
             else:
                 T.copy(dht[seq, head, 0:K, v0:v0 + BV], ds)
-            for it in T.Pipelined(seq_chunks, num_stages=2):
+            for it in T.Pipelined(seq_chunks, num_stages=stages):
                 if pieces:
                     start = walk_first + (seq_chunks - 1 - it) * _C
                     chunk = (start - bos) // _C
@@ -160,13 +165,13 @@ def state_grads_program(value_block: int = 32, pieces: bool = False, threads: in
 
 
 @functools.lru_cache(maxsize=None)
-def compile_state_grads(value_block: int = 32, pieces: bool = False, threads: int = _THREADS):
-    return compile_for_hopper(state_grads_program(value_block, pieces, threads), fast_math=True)
+def compile_state_grads(value_block: int = 32, pieces: bool = False, threads: int = _THREADS, stages: int = 2):
+    return compile_for_hopper(state_grads_program(value_block, pieces, threads, stages), fast_math=True)
 
 
 def state_gradients(q, k, gamma, gated_inverse, scores, do, dht, scale, cu_seqlens, offsets, num_chunks,
                     value_block, pieces: torch.Tensor | None = None, walk_end: torch.Tensor | None = None,
-                    threads: int = _THREADS):
+                    threads: int = _THREADS, stages: int = 2):
     """(dS leaving every chunk, bf16 [num_chunks, Hv, 128, 128]; dh0, float32 [N, Hv, 128, 128]).
 
     q, k: [T, Hqk, 128] bf16; gamma (chunk-local cumsum): [T, Hv] fp32; gated_inverse (Ab), scores
@@ -174,7 +179,7 @@ def state_gradients(q, k, gamma, gated_inverse, scores, do, dht, scale, cu_seqle
     dht: [N, Hv, 128, 128] fp32; cu_seqlens, offsets: int32 [N + 1].
     pieces, walk_end: a forward plan's pieces (every sequence covered by one or more) and
     their walk_bounds(ahead=True); both None walks every sequence whole.
-    threads: the candidate of state_grads_program(threads=256).
+    threads, stages: the candidates of state_grads_program.
     """
     if (pieces is None) != (walk_end is None):
         raise ValueError("state_gradients: pass pieces and walk_end together, or neither")
@@ -186,6 +191,6 @@ def state_gradients(q, k, gamma, gated_inverse, scores, do, dht, scale, cu_seqle
     if not with_pieces:  # placeholders, unread by the whole-sequence kernel
         pieces = torch.zeros(1, PIECE_FIELDS, dtype=torch.int32, device=q.device)
         walk_end = torch.zeros(1, num_v_heads, dtype=torch.int32, device=q.device)
-    compile_state_grads(value_block, with_pieces, threads)(q, k, gamma, gated_inverse, scores, do, dht, cu_seqlens,
-                                                           offsets, grads, dh0, pieces, walk_end, float(scale))
+    compile_state_grads(value_block, with_pieces, threads, stages)(
+        q, k, gamma, gated_inverse, scores, do, dht, cu_seqlens, offsets, grads, dh0, pieces, walk_end, float(scale))
     return grads, dh0
