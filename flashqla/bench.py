@@ -457,7 +457,7 @@ def compare_inverse(rep_ms: int):
 
 def compare_state_grads(rep_ms: int):
     """The state-gradient walk (backward_state_grads.py, as backward.py plans it: one consumer
-    warpgroup, loads two chunks deep) against its candidates (STATE_GRAD_CANDIDATES: two warpgroups,
+    warpgroup, two load stages) against its candidates (STATE_GRAD_CANDIDATES: two warpgroups,
     three stages, both), on the forward's kept Ab, P and gamma. Raises where a candidate's dS or dh0
     are not bitwise the walk's."""
     from flashqla.hopper.backward import MAX_VALUE_BLOCK, state_gradient_walk
