@@ -479,17 +479,18 @@ def compare_state_grads(rep_ms: int):
         args = (q[0], k[0], kept.gamma, kept.gated_inverse, kept.scores, do, dht, 128 ** -0.5, cu,
                 plan.chunk_offsets, plan.chunk_index.shape[0])
 
-        def walk_kernel(threads=128, stages=2):
-            return state_gradients(*args, **walk, threads=threads, stages=stages)
+        def walk_kernel(**variant):
+            return state_gradients(*args, **walk, **variant)
 
         expected = walk_kernel()
         times = {"walk": _median_ms(walk_kernel, rep_ms)}
         for threads, stages in STATE_GRAD_CANDIDATES:
-            for label, a, b in zip(("dS", "dh0"), expected, walk_kernel(threads, stages)):
+            variant = dict(threads=threads, stages=stages)
+            for label, a, b in zip(("dS", "dh0"), expected, walk_kernel(**variant)):
                 if not torch.equal(a, b):
                     raise AssertionError(f"state_grads {name}: {threads} threads, {stages} stages: {label} is not "
                                          f"the walk's ({float(relative_error(b, a)):.2e} from it)")
-            times[f"{threads}t_{stages}s"] = _median_ms(lambda: walk_kernel(threads, stages), rep_ms)
+            times[f"{threads}t_{stages}s"] = _median_ms(lambda: walk_kernel(**variant), rep_ms)
         yield name, times
 
 

@@ -66,11 +66,15 @@ def fa4_unavailable_reason(device: torch.device, dtype: torch.dtype = torch.bflo
     return functions if isinstance(functions, str) else None
 
 
+def _check_backend(backend: str) -> None:
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
+
+
 def causal_attention(q, k, v, documents=None, backend: str = "auto") -> torch.Tensor:
     """q [B, T, H, D]; k, v [B, T, Hkv, D] -> [B, T, H, D], scale D^-0.5. `documents` (a
     qwen_hybrid.layers.DocumentLayout, B = 1): each document attends only to itself."""
-    if backend not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
+    _check_backend(backend)
     packed = documents is not None and documents.max_seqlen != q.shape[1]
     long_document = not packed and q.shape[1] >= FA4_FORWARD_MIN_TOKENS
     if backend == "fa4" or (backend == "auto" and (packed or long_document)):
@@ -87,8 +91,7 @@ def causal_attention(q, k, v, documents=None, backend: str = "auto") -> torch.Te
 def attention_kernels(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
     """What `causal_attention` runs under `backend` on this device, in words (the run log says it, so
     that "auto" never leaves a user guessing whether FlashAttention-4 ran)."""
-    if backend not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
+    _check_backend(backend)
     sdpa = "torch SDPA for one document, varlen_attn (FlashAttention-2) for a pack on CUDA"
     if backend == "sdpa":
         return f"sdpa: {sdpa}"
