@@ -23,11 +23,12 @@ from flashqla.hopper.common import CHUNK_SIZE, HEAD_DIM, compile_for_hopper
 
 _C = CHUNK_SIZE
 _THREADS = 128
-# (threads, stages) of the candidates beside the walk's (128, 2): see state_grads_program
+_STAGES = 2  # T.Pipelined's load stages
+# (threads, stages) of the candidates beside the walk's (_THREADS, _STAGES): see state_grads_program
 STATE_GRAD_CANDIDATES = ((256, 2), (128, 3), (256, 3))
 
 
-def state_grads_program(value_block: int = 32, pieces: bool = False, threads: int = _THREADS, stages: int = 2):
+def state_grads_program(value_block: int = 32, pieces: bool = False, threads: int = _THREADS, stages: int = _STAGES):
     """pieces=False: one CTA per (V block, head, sequence).
     pieces=True (what backward.py runs where the forward's plan cut a sequence): one CTA per (V block,
     head, piece of a sequence); the CTA starts at walk_end[piece, head] (the sequence end, from dht,
@@ -165,13 +166,13 @@ def state_grads_program(value_block: int = 32, pieces: bool = False, threads: in
 
 
 @functools.lru_cache(maxsize=None)
-def compile_state_grads(value_block: int = 32, pieces: bool = False, threads: int = _THREADS, stages: int = 2):
+def compile_state_grads(value_block: int = 32, pieces: bool = False, threads: int = _THREADS, stages: int = _STAGES):
     return compile_for_hopper(state_grads_program(value_block, pieces, threads, stages), fast_math=True)
 
 
 def state_gradients(q, k, gamma, gated_inverse, scores, do, dht, scale, cu_seqlens, offsets, num_chunks,
                     value_block, pieces: torch.Tensor | None = None, walk_end: torch.Tensor | None = None,
-                    threads: int = _THREADS, stages: int = 2):
+                    threads: int = _THREADS, stages: int = _STAGES):
     """(dS leaving every chunk, bf16 [num_chunks, Hv, 128, 128]; dh0, float32 [N, Hv, 128, 128]).
 
     q, k: [T, Hqk, 128] bf16; gamma (chunk-local cumsum): [T, Hv] fp32; gated_inverse (Ab), scores
