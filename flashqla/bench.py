@@ -3,7 +3,7 @@ and side-by-side timings of kernel variants (--compare).
 
     python -m flashqla.bench [--fwd] [--bwd] [--json PATH] [--shapes SUBSTR,...] [--baselines fla,flashqla]
                              [--time-budget SECONDS] [--breakdown] [--model]
-    python -m flashqla.bench --compare [keep_forward,conv,inverse,chunk_grads_l2norm,state_grads]
+    python -m flashqla.bench --compare [keep_forward,conv,inverse,chunk_grads_l2norm]
                              [--json PATH]
 
 Each library is called the way its users call it: ours through `flashqla.chunk_gated_delta_rule`
@@ -38,8 +38,7 @@ ratios (timings live here, not in the GPU tests, so a busy machine cannot fail a
 - conv: the GDN layer's conv + SiLU, the TileLang kernel against torch.compile of its definition;
 - inverse: the chunks' inverse A~ against FlashQLA's kkt_solve;
 - chunk_grads_l2norm: the chunk gradients then the L2 norm's backward kernel against the chunk
-  gradients with the norm's backward in their epilogues (backward.py picks by head layout);
-- state_grads: the state-gradient walk against its candidates (two warpgroups, three stages, both).
+  gradients with the norm's backward in their epilogues (backward.py picks by head layout).
 """
 from __future__ import annotations
 
@@ -455,47 +454,8 @@ def compare_inverse(rep_ms: int):
         yield name, times
 
 
-def compare_state_grads(rep_ms: int):
-    """The state-gradient walk (backward_state_grads.py, as backward.py plans it: one consumer
-    warpgroup, two load stages) against its candidates (STATE_GRAD_CANDIDATES: two warpgroups,
-    three stages, both), on the forward's kept Ab, P and gamma. Raises where a candidate's dS or dh0
-    are not bitwise the walk's."""
-    from flashqla.hopper.backward import MAX_VALUE_BLOCK, state_gradient_walk
-    from flashqla.hopper.backward_state_grads import STATE_GRAD_CANDIDATES, state_gradients
-    from flashqla.hopper.chunk_plan import plan_forward
-    from flashqla.hopper.forward import forward
-    from flashqla.testing import relative_error
-
-    sm_count = torch.cuda.get_device_properties().multi_processor_count
-    for name, heads, seq_lens in INVERSE_SHAPES:
-        x = make_inputs(heads, seq_lens)
-        q, k, v, g, beta, cu = (x[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens"))
-        _, _, kept = forward(q, k, v, g, beta, 128 ** -0.5, x["initial_state"], False, cu, keep_for_backward=True)
-        plan = plan_forward(cu, heads[1], 128, sm_count, MAX_VALUE_BLOCK)
-        walk = state_gradient_walk(plan, kept.gamma, cu, cu.tolist(), heads[1], sm_count)
-        do = torch.randn(v.shape[1:], generator=torch.Generator(device="cuda").manual_seed(1),
-                         device="cuda").to(torch.bfloat16)
-        dht = torch.randn_like(x["initial_state"])
-        args = (q[0], k[0], kept.gamma, kept.gated_inverse, kept.scores, do, dht, 128 ** -0.5, cu,
-                plan.chunk_offsets, plan.chunk_index.shape[0])
-
-        def walk_kernel(**variant):
-            return state_gradients(*args, **walk, **variant)
-
-        expected = walk_kernel()
-        times = {"walk": _median_ms(walk_kernel, rep_ms)}
-        for threads, stages in STATE_GRAD_CANDIDATES:
-            variant = dict(threads=threads, stages=stages)
-            for label, a, b in zip(("dS", "dh0"), expected, walk_kernel(**variant)):
-                if not torch.equal(a, b):
-                    raise AssertionError(f"state_grads {name}: {threads} threads, {stages} stages: {label} is not "
-                                         f"the walk's ({float(relative_error(b, a)):.2e} from it)")
-            times[f"{threads}t_{stages}s"] = _median_ms(lambda: walk_kernel(**variant), rep_ms)
-        yield name, times
-
-
 COMPARISONS = {"keep_forward": compare_keep_forward, "conv": compare_conv, "inverse": compare_inverse,
-               "chunk_grads_l2norm": compare_chunk_grads_l2norm, "state_grads": compare_state_grads}
+               "chunk_grads_l2norm": compare_chunk_grads_l2norm}
 
 
 def run_comparisons(names: list[str], rep_ms: int, json_path: str | None) -> None:

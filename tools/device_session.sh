@@ -234,7 +234,7 @@ print("max |difference|", max(abs(losses[0][s] - losses[1][s]) for s in losses[0
             --json "$OUT/model-bench.json" ${SHAPES:+--shapes "$SHAPES"} ${BREAKDOWN:+--breakdown}
         ;;
     model-vs-hf)
-        step model-vs-hf 300 60 env OUT="$OUT" "$PYTHON" -m benchmarks.model_vs_hf \
+        step model-vs-hf 590 60 env OUT="$OUT" "$PYTHON" -m benchmarks.model_vs_hf \
             '[{"size": "0.8B", "tokens": 16384, "backend": "tilelang"}, {"impl": "hf", "size": "0.8B", "tokens": 16384},
               {"impl": "hf", "size": "0.8B", "tokens": 16384, "hf_gdn": "flashqla"}]'
         ;;

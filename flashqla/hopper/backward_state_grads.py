@@ -7,7 +7,9 @@ The state gradient obeys its own reverse recurrence, independent of the forward 
 
 Ab and Pm come precomputed for every chunk (kept by the forward walk, fused_forward.py), so the walk holds only the
 dS-dependent products. One CTA per (V block, value head, sequence) walks the chunks in reverse
-with dS (K x BV, float32) in registers, loads pipelined one chunk ahead, stores the gradient
+with dS (K x BV, float32) in registers, split by columns between two consumer warpgroups (every
+product runs as two m64 x BV/2 halves side by side, which shortens the chain of five products a
+chunk), loads pipelined two chunks ahead, stores the gradient
 leaving every chunk (dS1, bf16) for the chunk-parallel kernel (backward_chunk_grads.py), and
 writes dh0. Columns of dS are independent, so V blocks add parallelism at no extra cost on the
 critical path.
@@ -22,28 +24,18 @@ from flashqla.hopper.chunk_plan import PIECE_FIELDS
 from flashqla.hopper.common import CHUNK_SIZE, HEAD_DIM, compile_for_hopper
 
 _C = CHUNK_SIZE
-_THREADS = 128
-_STAGES = 2  # T.Pipelined's load stages
-# (threads, stages) of the candidates beside the walk's (_THREADS, _STAGES): see state_grads_program
-STATE_GRAD_CANDIDATES = ((256, 2), (128, 3), (256, 3))
+# Two consumer warpgroups and three load stages: 1.07-1.09x one warpgroup with two stages on the
+# H200 (sixteenth session, docs/kernel-notes.md); three stages alone were 0.98-0.99x.
+_THREADS = 256
+_STAGES = 3  # T.Pipelined's load stages (up to ~216 KB of shared memory at a V block of 64)
 
 
-def state_grads_program(value_block: int = 32, pieces: bool = False, threads: int = _THREADS, stages: int = _STAGES):
+def state_grads_program(value_block: int = 32, pieces: bool = False):
     """pieces=False: one CTA per (V block, head, sequence).
     pieces=True (what backward.py runs where the forward's plan cut a sequence): one CTA per (V block,
     head, piece of a sequence); the CTA starts at walk_end[piece, head] (the sequence end, from dht,
     or a chunk boundary after the piece, from zero: a decay-truncated warm-up), stores dS only for
-    the piece's own chunks, and writes dh0 only when the piece starts its sequence.
-    Candidates (the bench's comparison and its GPU test only), each bitwise the walk by construction
-    (the same operations on every element, in the same order):
-    threads=256: two consumer warpgroups instead of one, each taking half of the V block's columns in
-    every product and half of every elementwise pass, to shorten the chain of five products a chunk;
-    stages=3: the loads three chunks deep instead of two (216 KB of shared memory at a V block of 64),
-    in case the loads, not the chain, hold the walk."""
-    if threads not in (128, 256):
-        raise ValueError(f"state_grads_program: threads must be 128 or 256 (one or two warpgroups), got {threads}")
-    if stages not in (2, 3):
-        raise ValueError(f"state_grads_program: stages must be 2 or 3, got {stages}")
+    the piece's own chunks, and writes dh0 only when the piece starts its sequence."""
     K = V = HEAD_DIM
     BV = value_block
     num_value_blocks = V // BV
@@ -74,7 +66,7 @@ def state_grads_program(value_block: int = 32, pieces: bool = False, threads: in
         scale: T.float32,
     ):
         with T.Kernel(num_value_blocks, num_v_heads, num_pieces if pieces else num_sequences,
-                      threads=threads) as (vblock, head, row):
+                      threads=_THREADS) as (vblock, head, row):
             qk_head = head // (num_v_heads // num_qk_heads)
             v0 = vblock * BV
             seq = piece_table[row, 0] if pieces else row
@@ -109,7 +101,7 @@ def state_grads_program(value_block: int = 32, pieces: bool = False, threads: in
                     T.clear(ds)
             else:
                 T.copy(dht[seq, head, 0:K, v0:v0 + BV], ds)
-            for it in T.Pipelined(seq_chunks, num_stages=stages):
+            for it in T.Pipelined(seq_chunks, num_stages=_STAGES):
                 if pieces:
                     start = walk_first + (seq_chunks - 1 - it) * _C
                     chunk = (start - bos) // _C
@@ -166,13 +158,12 @@ def state_grads_program(value_block: int = 32, pieces: bool = False, threads: in
 
 
 @functools.lru_cache(maxsize=None)
-def compile_state_grads(value_block: int = 32, pieces: bool = False, threads: int = _THREADS, stages: int = _STAGES):
-    return compile_for_hopper(state_grads_program(value_block, pieces, threads, stages), fast_math=True)
+def compile_state_grads(value_block: int = 32, pieces: bool = False):
+    return compile_for_hopper(state_grads_program(value_block, pieces), fast_math=True)
 
 
 def state_gradients(q, k, gamma, gated_inverse, scores, do, dht, scale, cu_seqlens, offsets, num_chunks,
-                    value_block, pieces: torch.Tensor | None = None, walk_end: torch.Tensor | None = None,
-                    threads: int = _THREADS, stages: int = _STAGES):
+                    value_block, pieces: torch.Tensor | None = None, walk_end: torch.Tensor | None = None):
     """(dS leaving every chunk, bf16 [num_chunks, Hv, 128, 128]; dh0, float32 [N, Hv, 128, 128]).
 
     q, k: [T, Hqk, 128] bf16; gamma (chunk-local cumsum): [T, Hv] fp32; gated_inverse (Ab), scores
@@ -180,7 +171,6 @@ def state_gradients(q, k, gamma, gated_inverse, scores, do, dht, scale, cu_seqle
     dht: [N, Hv, 128, 128] fp32; cu_seqlens, offsets: int32 [N + 1].
     pieces, walk_end: a forward plan's pieces (every sequence covered by one or more) and
     their walk_bounds(ahead=True); both None walks every sequence whole.
-    threads, stages: the candidates of state_grads_program.
     """
     if (pieces is None) != (walk_end is None):
         raise ValueError("state_gradients: pass pieces and walk_end together, or neither")
@@ -192,6 +182,6 @@ def state_gradients(q, k, gamma, gated_inverse, scores, do, dht, scale, cu_seqle
     if not with_pieces:  # placeholders, unread by the whole-sequence kernel
         pieces = torch.zeros(1, PIECE_FIELDS, dtype=torch.int32, device=q.device)
         walk_end = torch.zeros(1, num_v_heads, dtype=torch.int32, device=q.device)
-    compile_state_grads(value_block, with_pieces, threads, stages)(
+    compile_state_grads(value_block, with_pieces)(
         q, k, gamma, gated_inverse, scores, do, dht, cu_seqlens, offsets, grads, dh0, pieces, walk_end, float(scale))
     return grads, dh0
