@@ -13,9 +13,12 @@ from train.config import ConfigError
 from train_runs import PRETRAIN, REPO, pretrain_env, run_command, smoke_overrides, step_records, torchrun_command
 
 STEPS = 20
-# float32 on CPU: the sharded matmuls, the all-to-alls and the all-reduces only reorder sums
+# float32 on CPU: the sharded matmuls, the all-to-alls and the all-reduces only reorder sums. Adam
+# magnifies those last bits on near-zero gradients, so the gradient norm drifts further than the
+# loss: on one CI machine it moved by 1.6e-4 by step 20 (tp=2; 3.7e-5 with cp=2) while the losses
+# agreed to 3e-7 at every step.
 LOSS_RTOL = 1e-5
-GRAD_NORM_RTOL = 1e-4
+GRAD_NORM_RTOL = 1e-3
 
 
 @pytest.fixture(scope="module")
