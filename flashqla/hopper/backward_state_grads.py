@@ -21,7 +21,7 @@ import tilelang.language as T
 import torch
 
 from flashqla.hopper.chunk_plan import PIECE_FIELDS
-from flashqla.hopper.common import CHUNK_SIZE, HEAD_DIM, compile_for_hopper
+from flashqla.hopper.common import CHUNK_SIZE, HEAD_DIM, WARPGROUP, compile_for_hopper
 
 _C = CHUNK_SIZE
 # Two consumer warpgroups and three load stages: 1.07-1.09x one warpgroup with two stages on the
@@ -74,7 +74,7 @@ def state_grads_program(value_block: int = 32, pieces: bool = False, warpgroups:
         scale: T.float32,
     ):
         with T.Kernel(num_value_blocks, num_v_heads, num_pieces if pieces else num_sequences,
-                      threads=128 * warpgroups) as (vblock, head, row):
+                      threads=WARPGROUP * warpgroups) as (vblock, head, row):
             qk_head = head // (num_v_heads // num_qk_heads)
             v0 = vblock * BV
             seq = piece_table[row, 0] if pieces else row

@@ -9,6 +9,7 @@ import torch
 TARGET = {"kind": "cuda", "arch": "sm_90a"}
 HEAD_DIM = 128  # K = V: the only head size the kernels are built for
 CHUNK_SIZE = 64  # C of docs/gdn-math.md §2
+WARPGROUP = 128  # threads of a warpgroup, the unit that issues a wgmma product
 INPUT_DTYPES = (torch.bfloat16, torch.float16)  # of q, k, v
 LOG2E = 1.4426950408889634  # e^x = 2^(x log2 e): the kernels exponentiate with exp2
 # How far a split sequence's piece may truncate the history it rebuilds its state from

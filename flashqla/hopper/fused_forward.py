@@ -45,11 +45,10 @@ import tilelang.language as T
 import torch
 
 from flashqla.hopper.chunk_plan import PIECE_FIELDS, chunk_offsets
-from flashqla.hopper.common import CHUNK_SIZE, HEAD_DIM, LOG2E, compile_for_hopper, dtype_name
+from flashqla.hopper.common import CHUNK_SIZE, HEAD_DIM, LOG2E, WARPGROUP, compile_for_hopper, dtype_name
 
 _C = CHUNK_SIZE
-_WARPGROUP = 128
-_THREADS = 4 * _WARPGROUP
+_THREADS = 4 * WARPGROUP
 _MATH_REGISTERS = 152
 
 
@@ -77,7 +76,7 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
     producer_registers, state_registers = _register_split(BV)
     # Producer warps arrive on `tiles_full`; every consumer thread and the store warp on `tiles_free`.
     loader_threads = 3 * 32
-    reader_threads = 3 * _WARPGROUP + 32
+    reader_threads = 3 * WARPGROUP + 32
 
     # Each role is a macro: written inline, the branches nest deeper than Python allows.
     @T.macro
@@ -301,29 +300,29 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
                 # chunk before released the stage (tiles_free): no waiter can miss a phase.
                 tiles_full=T.alloc_barrier(arrive_count=[loader_threads] * 2),
                 tiles_free=T.alloc_barrier(arrive_count=[reader_threads] * 2),
-                state_ready=T.alloc_barrier(arrive_count=[_WARPGROUP] * 2),
-                state_free=T.alloc_barrier(arrive_count=[_WARPGROUP + 32] * 2),   # warpgroup 2, store warp
-                decays_ready=T.alloc_barrier(arrive_count=[_WARPGROUP] * 2),
-                ab_ready=T.alloc_barrier(arrive_count=[_WARPGROUP] * 2),
-                delta_ready=T.alloc_barrier(arrive_count=[_WARPGROUP] * 2),
-                delta_free=T.alloc_barrier(arrive_count=[_WARPGROUP] * 2),
-                o_ready=T.alloc_barrier(arrive_count=[_WARPGROUP] * 2),
+                state_ready=T.alloc_barrier(arrive_count=[WARPGROUP] * 2),
+                state_free=T.alloc_barrier(arrive_count=[WARPGROUP + 32] * 2),   # warpgroup 2, store warp
+                decays_ready=T.alloc_barrier(arrive_count=[WARPGROUP] * 2),
+                ab_ready=T.alloc_barrier(arrive_count=[WARPGROUP] * 2),
+                delta_ready=T.alloc_barrier(arrive_count=[WARPGROUP] * 2),
+                delta_free=T.alloc_barrier(arrive_count=[WARPGROUP] * 2),
+                o_ready=T.alloc_barrier(arrive_count=[WARPGROUP] * 2),
                 o_free=T.alloc_barrier(arrive_count=[32] * 2),
             )
             tx = T.get_thread_binding()
-            if tx < _WARPGROUP:
+            if tx < WARPGROUP:
                 state_warpgroup(sh, cta, initial_state, final_state)
-            elif tx < 2 * _WARPGROUP:
+            elif tx < 2 * WARPGROUP:
                 delta_warpgroup(sh, cta)
-            elif tx < 3 * _WARPGROUP:
+            elif tx < 3 * WARPGROUP:
                 output_warpgroup(sh, cta)
             else:
                 T.set_max_nreg(producer_registers, 0)
-                if tx < 3 * _WARPGROUP + 32:
+                if tx < 3 * WARPGROUP + 32:
                     load_qk(sh, cta, q, k)
-                elif tx < 3 * _WARPGROUP + 64:
+                elif tx < 3 * WARPGROUP + 64:
                     load_v_beta(sh, cta, v, beta)
-                elif tx < 3 * _WARPGROUP + 96:
+                elif tx < 3 * WARPGROUP + 96:
                     load_inverse_gamma(sh, cta, inverse, gamma)
                 else:
                     store_outputs(sh, cta, o, chunk_states, gated_inverse, scores)
