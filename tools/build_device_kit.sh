@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Build .devkit/ from nothing on the CPU machine: what a new checkout needs before its first device call.
-#   tools/build_device_kit.sh            # ~22 min on 2 cores; prints the carry's size at the end
+#   tools/build_device_kit.sh            # 17 min on 2 cores; prints the carry's size at the end
 # 1. the baselines into .venv without their dependencies (fla-core needs Triton to import, which the
 #    CPU machine lacks; the precompile reads only its TileLang file, and FlashQLA's kernels);
 # 2. the device's missing packages (../shared/device/make_kit.py; omegaconf pinned for hydra-core 1.3.8);
 # 3. the TileLang cache in two processes side by side (ours and FLA's; FlashQLA's, the slow half), each
-#    in its own folder, merged into .devkit/tlcache.tgz in the layout .devkit/setup.sh unpacks.
+#    in its own folder, merged into .devkit/tlcache.tgz (by precompile_kernels.py --merge).
 # Needs the venv of README's test command (.venv). Leaves .devkit/tritoncache.tgz out: with the
 # TileLang cache it would pass the 64 MiB carry, and bench-warm compiles FLA's Triton kernels anyway.
 set -euo pipefail
@@ -32,10 +32,9 @@ for job in "kit $kit" "ours $ours" "flashqla $flashqla"; do
 done
 [ $failed -eq 0 ] || exit 1
 
-mkdir -p "$WORK/merged"
-for part in ours flashqla; do tar -xzf "$WORK/$part.tgz" -C "$WORK/merged" --strip-components=1; done
-tar -czf .devkit/tlcache.tgz -C "$WORK" --exclude=cuda-binaries --exclude=.staging \
-    --transform=s,^merged,tlcache, merged
+# nothing left to compile: precompile_kernels.py only unpacks both parts and packs them as one
+TILELANG_CACHE_DIR=$WORK/merged "$PY" tools/precompile_kernels.py --sets '' --skip-ours --skip-fla --skip-flashqla \
+    --merge "$WORK/ours.tgz,$WORK/flashqla.tgz" --out .devkit/tlcache.tgz > "$WORK/merge.log" 2>&1
 rm -f .devkit/tritoncache.tgz
 echo "TileLang cache: $(ls "$WORK/merged"/*/*/kernels | wc -l) entries"
 tree=$(git ls-files -z --cached --others --exclude-standard | xargs -0 du -cb | tail -1 | cut -f1)

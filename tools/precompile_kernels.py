@@ -238,8 +238,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=".devkit/tlcache.tgz", help="tarball of the cache folder ('' to skip)")
     parser.add_argument("--merge", default=None,
-                        help="cache tarball to start from (default: --out when it exists, e.g. one the device "
-                             "sent back)")
+                        help="comma-separated cache tarballs to start from (default: --out when it exists, e.g. "
+                             "one the device sent back)")
     parser.add_argument("--sets", default="bench,model,tests,hard,compare",
                         help="bench: the bench's shapes for ours, FLA and FlashQLA; model: the training runs' "
                              "head layouts for ours and FLA, and flashqla.bench --model's shapes for FlashQLA; tests: the GPU tests' grid and compile checks for ours; "
@@ -252,10 +252,10 @@ def main(argv=None) -> None:
 
     cache_dir = Path(os.environ.setdefault("TILELANG_CACHE_DIR", "/tmp/tlcache"))
     merge = args.merge if args.merge is not None else (args.out if args.out and Path(args.out).exists() else "")
-    if merge:
-        # the tarball holds one folder named tlcache (setup.sh packs /tmp/tlcache)
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        subprocess.run(["tar", "-xzf", merge, "-C", str(cache_dir), "--strip-components=1"], check=True)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    for tarball in filter(None, merge.split(",")):
+        # each tarball holds one folder named tlcache (setup.sh packs /tmp/tlcache)
+        subprocess.run(["tar", "-xzf", tarball, "-C", str(cache_dir), "--strip-components=1"], check=True)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     pretend_h200()
     skip_kernel_launches()
