@@ -3,7 +3,7 @@ and side-by-side timings of kernel variants (--compare).
 
     python -m flashqla.bench [--fwd] [--bwd] [--json PATH] [--shapes SUBSTR,...] [--baselines fla,flashqla]
                              [--time-budget SECONDS] [--breakdown] [--model]
-    python -m flashqla.bench --compare [keep_forward,conv,inverse,chunk_grads_l2norm,state_grads]
+    python -m flashqla.bench --compare [keep_forward,conv,inverse,chunk_grads_l2norm]
                              [--json PATH]
 
 Each library is called the way its users call it: ours through `flashqla.chunk_gated_delta_rule`
@@ -38,8 +38,7 @@ ratios (timings live here, not in the GPU tests, so a busy machine cannot fail a
 - conv: the GDN layer's conv + SiLU, the TileLang kernel against torch.compile of its definition;
 - inverse: the chunks' inverse A~ against FlashQLA's kkt_solve;
 - chunk_grads_l2norm: the chunk gradients then the L2 norm's backward kernel against the chunk
-  gradients with the norm's backward in their epilogues (backward.py picks by head layout);
-- state_grads: the state-gradient walk (two consumer warpgroups) against four, at a V block of 64.
+  gradients with the norm's backward in their epilogues (backward.py picks by head layout).
 """
 from __future__ import annotations
 
@@ -455,36 +454,8 @@ def compare_inverse(rep_ms: int):
         yield name, times
 
 
-def compare_state_grads(rep_ms: int):
-    """The state-gradient walk (backward_state_grads.py, two consumer warpgroups, as backward.py plans
-    it) against the candidate with four (warpgroups=4), on the forward's kept Ab, P and gamma. The
-    candidate needs a V block of 64: where the plan picks 32, both run at 64 (the shape's name says
-    so). Raises where the candidate's dS or dh0 are not bitwise the walk's."""
-    from flashqla.hopper.backward_state_grads import state_gradients
-    from flashqla.testing import relative_error, state_gradient_arguments
-
-    for name, heads, seq_lens in INVERSE_SHAPES:
-        inputs = make_inputs(heads, seq_lens)
-        do = torch.randn(inputs["v"].shape[1:], generator=torch.Generator(device="cuda").manual_seed(1),
-                         device="cuda").to(torch.bfloat16)
-        args, walk, _ = state_gradient_arguments(inputs, do, torch.randn_like(inputs["initial_state"]))
-        if walk["value_block"] != 64:
-            walk["value_block"] = 64
-            name = f"{name} (V block 64)"
-
-        def walk_kernel(**variant):
-            return state_gradients(*args, **walk, **variant)
-
-        for label, a, b in zip(("dS", "dh0"), walk_kernel(), walk_kernel(warpgroups=4)):
-            if not torch.equal(a, b):
-                raise AssertionError(f"state_grads {name}: four warpgroups' {label} is not the walk's "
-                                     f"({float(relative_error(b, a)):.2e} from it)")
-        yield name, {"walk": _median_ms(walk_kernel, rep_ms),
-                     "4_warpgroups": _median_ms(lambda: walk_kernel(warpgroups=4), rep_ms)}
-
-
 COMPARISONS = {"keep_forward": compare_keep_forward, "conv": compare_conv, "inverse": compare_inverse,
-               "chunk_grads_l2norm": compare_chunk_grads_l2norm, "state_grads": compare_state_grads}
+               "chunk_grads_l2norm": compare_chunk_grads_l2norm}
 
 
 def run_comparisons(names: list[str], rep_ms: int, json_path: str | None) -> None:

@@ -77,24 +77,3 @@ def chunk_gradient_arguments(q, k, v, g, beta, do, cu_seqlens, seed: int = 0) ->
                 inverse=chunk_inverse(k, beta, cu_seqlens, chunk_index), chunk_states=states,
                 chunk_state_grads=state_grads, do=do, scale=q.shape[-1] ** -0.5, cu_seqlens=cu_seqlens,
                 chunk_index=chunk_index)
-
-
-def state_gradient_arguments(inputs: dict, do: torch.Tensor, dht: torch.Tensor):
-    """(args, walk, plan) for hopper.backward_state_grads.state_gradients on op inputs (q, k, v
-    [1, T, H, 128], g, beta [1, T, Hv], cu_seqlens, initial_state): `state_gradients(*args, **walk)`
-    walks the forward's kept Ab, P and gamma as backward.py plans it (walk: its keyword arguments);
-    do: [T, Hv, 128] bf16, dht: [N, Hv, 128, 128] float32."""
-    from flashqla.hopper.backward import MAX_VALUE_BLOCK, state_gradient_walk
-    from flashqla.hopper.chunk_plan import device_sm_count, plan_forward
-    from flashqla.hopper.forward import forward
-
-    q, k, v, g, beta, cu = (inputs[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens"))
-    num_v_heads = v.shape[2]
-    scale = q.shape[-1] ** -0.5
-    _, _, kept = forward(q, k, v, g, beta, scale, inputs["initial_state"], False, cu, keep_for_backward=True)
-    sm_count = device_sm_count(q.device)
-    plan = plan_forward(cu, num_v_heads, q.shape[-1], sm_count, MAX_VALUE_BLOCK)
-    walk = state_gradient_walk(plan, kept.gamma, cu, cu.tolist(), num_v_heads, sm_count)
-    args = (q[0], k[0], kept.gamma, kept.gated_inverse, kept.scores, do, dht, scale, cu, plan.chunk_offsets,
-            plan.chunk_index.shape[0])
-    return args, walk, plan

@@ -282,7 +282,6 @@ def main(argv=None) -> None:
             compile_ours([("1/16 4096", (1, 16), [4096])])
             compile_checks()
             compile_walks()
-            from flashqla.hopper.backward_state_grads import compile_state_grads
             from flashqla.hopper.causal_conv import compile_conv_backward, compile_conv_forward
             from flashqla.hopper.l2norm import compile_l2norm_backward, compile_l2norm_forward
 
@@ -291,9 +290,6 @@ def main(argv=None) -> None:
                 compile_conv_backward(conv_dtype)
             compile_l2norm_forward("float16")  # tests/flashqla/test_l2norm.py, the hard inputs' fp16 case
             compile_l2norm_backward("float16")
-            for pieces in (False, True):  # the state-gradient walk's candidate: its GPU test and --compare
-                compile_state_grads(64, pieces)
-                compile_state_grads(64, pieces, warpgroups=4)
         if "hard" in sets:
             for heads, lens, with_h0 in HARD_CASES:
                 compile_ours([(f"hard {heads[0]}/{heads[1]} {lens}", heads, lens)], with_initial_state=with_h0)

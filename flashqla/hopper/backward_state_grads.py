@@ -30,20 +30,12 @@ _WARPGROUPS = 2
 _STAGES = 3  # T.Pipelined's load stages (up to ~216 KB of shared memory at a V block of 64)
 
 
-def state_grads_program(value_block: int = 32, pieces: bool = False, warpgroups: int = _WARPGROUPS):
+def state_grads_program(value_block: int = 32, pieces: bool = False):
     """pieces=False: one CTA per (V block, head, sequence).
     pieces=True (what backward.py runs where the forward's plan cut a sequence): one CTA per (V block,
     head, piece of a sequence); the CTA starts at walk_end[piece, head] (the sequence end, from dht,
     or a chunk boundary after the piece, from zero: a decay-truncated warm-up), stores dS only for
-    the piece's own chunks, and writes dh0 only when the piece starts its sequence.
-    warpgroups=4 (a candidate, reached from the bench's comparison and its GPU test only): the
-    columns split four ways (wgmma m64n16 at a V block of 64; 1024 threads with TileLang's producer,
-    61 registers), bitwise the walk by construction. A V block of 32 would need m64n8 products with
-    a transposed operand, which TileLang cannot lay out."""
-    if warpgroups not in (2, 4):
-        raise ValueError(f"state_grads_program: warpgroups must be 2 or 4, got {warpgroups}")
-    if warpgroups == 4 and value_block != 64:
-        raise ValueError(f"state_grads_program: warpgroups=4 needs value_block=64, got {value_block}")
+    the piece's own chunks, and writes dh0 only when the piece starts its sequence."""
     K = V = HEAD_DIM
     BV = value_block
     num_value_blocks = V // BV
@@ -74,7 +66,7 @@ def state_grads_program(value_block: int = 32, pieces: bool = False, warpgroups:
         scale: T.float32,
     ):
         with T.Kernel(num_value_blocks, num_v_heads, num_pieces if pieces else num_sequences,
-                      threads=WARPGROUP * warpgroups) as (vblock, head, row):
+                      threads=WARPGROUP * _WARPGROUPS) as (vblock, head, row):
             qk_head = head // (num_v_heads // num_qk_heads)
             v0 = vblock * BV
             seq = piece_table[row, 0] if pieces else row
@@ -166,13 +158,12 @@ def state_grads_program(value_block: int = 32, pieces: bool = False, warpgroups:
 
 
 @functools.lru_cache(maxsize=None)
-def compile_state_grads(value_block: int = 32, pieces: bool = False, warpgroups: int = _WARPGROUPS):
-    return compile_for_hopper(state_grads_program(value_block, pieces, warpgroups), fast_math=True)
+def compile_state_grads(value_block: int = 32, pieces: bool = False):
+    return compile_for_hopper(state_grads_program(value_block, pieces), fast_math=True)
 
 
 def state_gradients(q, k, gamma, gated_inverse, scores, do, dht, scale, cu_seqlens, offsets, num_chunks,
-                    value_block, pieces: torch.Tensor | None = None, walk_end: torch.Tensor | None = None,
-                    warpgroups: int = _WARPGROUPS):
+                    value_block, pieces: torch.Tensor | None = None, walk_end: torch.Tensor | None = None):
     """(dS leaving every chunk, bf16 [num_chunks, Hv, 128, 128]; dh0, float32 [N, Hv, 128, 128]).
 
     q, k: [T, Hqk, 128] bf16; gamma (chunk-local cumsum): [T, Hv] fp32; gated_inverse (Ab), scores
@@ -180,7 +171,6 @@ def state_gradients(q, k, gamma, gated_inverse, scores, do, dht, scale, cu_seqle
     dht: [N, Hv, 128, 128] fp32; cu_seqlens, offsets: int32 [N + 1].
     pieces, walk_end: a forward plan's pieces (every sequence covered by one or more) and
     their walk_bounds(ahead=True); both None walks every sequence whole.
-    warpgroups: the walk's consumer warpgroups (state_grads_program; 4 is a candidate).
     """
     if (pieces is None) != (walk_end is None):
         raise ValueError("state_gradients: pass pieces and walk_end together, or neither")
@@ -192,6 +182,6 @@ def state_gradients(q, k, gamma, gated_inverse, scores, do, dht, scale, cu_seqle
     if not with_pieces:  # placeholders, unread by the whole-sequence kernel
         pieces = torch.zeros(1, PIECE_FIELDS, dtype=torch.int32, device=q.device)
         walk_end = torch.zeros(1, num_v_heads, dtype=torch.int32, device=q.device)
-    compile_state_grads(value_block, with_pieces, warpgroups)(
+    compile_state_grads(value_block, with_pieces)(
         q, k, gamma, gated_inverse, scores, do, dht, cu_seqlens, offsets, grads, dh0, pieces, walk_end, float(scale))
     return grads, dh0

@@ -28,7 +28,6 @@ COMPILE_CHECKS = [
     ("chunk_states", lambda: compile_chunk_states(64, with_transition=True)),
     ("backward_state_grads", lambda: compile_state_grads(32)),
     ("backward_state_grads_pieces", lambda: compile_state_grads(64, pieces=True)),
-    ("backward_state_grads_four_warpgroups_candidate", lambda: compile_state_grads(64, pieces=True, warpgroups=4)),
     ("backward_chunk_grads", compile_chunk_grads),
     ("backward_chunk_grads_l2norm", lambda: compile_chunk_grads(l2norm_backward=True)),
     ("causal_conv_forward", lambda: compile_conv_forward("bfloat16")),

@@ -48,14 +48,3 @@ def test_fused_forward_is_warp_specialised_without_block_barriers(value_block):
                      if line.strip().startswith("for (") and "__sync_thread_partial" in lines[i + 1]]
     assert not barrier_loops, [lines[i].strip() for i in barrier_loops]
     assert "wgmma" in source and "tma_load" in source
-
-
-@pytest.mark.parametrize("arguments,message", [
-    (dict(value_block=32, warpgroups=4), "warpgroups=4 needs value_block=64, got 32"),
-    (dict(value_block=64, warpgroups=3), "warpgroups must be 2 or 4, got 3"),
-])
-def test_state_grads_candidate_refuses_what_it_cannot_build(arguments, message):
-    from flashqla.hopper.backward_state_grads import state_grads_program
-
-    with pytest.raises(ValueError, match=message):
-        state_grads_program(**arguments)
