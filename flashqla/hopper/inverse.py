@@ -33,10 +33,10 @@ MIN_BLOCKS_PER_SM = 8
 
 
 def inverse_program(head_dim: int = HEAD_DIM, dtype: str = "bfloat16", beta_dtype: str = "float32",
-                    min_blocks_per_sm: int = MIN_BLOCKS_PER_SM, grouped: bool = False):
-    """grouped=False: one CTA per (value head, chunk). grouped=True (a candidate, reached from the
-    bench's comparison and its GPU test only): one CTA per (qk head, chunk) solves every value head
-    of the group in turn from one load of k and one K K^T."""
+                    min_blocks_per_sm: int = MIN_BLOCKS_PER_SM, group_size: int = 0):
+    """group_size=0: one CTA per (value head, chunk). group_size=G > 0 (a candidate, reached from the
+    bench's comparison and its GPU test only), for G value heads per qk head: one CTA per (qk head,
+    chunk) solves the group's value heads in turn from one load of k and one K K^T."""
     num_tokens = T.dynamic("num_tokens")
     num_sequences = T.dynamic("num_sequences")
     num_chunks = T.dynamic("num_chunks")
@@ -52,14 +52,14 @@ def inverse_program(head_dim: int = HEAD_DIM, dtype: str = "bfloat16", beta_dtyp
         inverse: T.Tensor((num_tokens, num_v_heads, _C), dtype),
     ):
         # Value heads of one chunk are neighbours in the grid: a qk head's group reads its k tile from L2.
-        with T.Kernel(num_qk_heads if grouped else num_v_heads, num_chunks, threads=_THREADS) as (grid_head, chunk):
+        with T.Kernel(num_qk_heads if group_size else num_v_heads, num_chunks, threads=_THREADS) as (grid_head, chunk):
             # Held in variables: an expression is inlined into every index, as 64-bit divisions there.
             group = T.alloc_var("int32")
             qk_head = T.alloc_var("int32")
             start = T.alloc_var("int32")
             length = T.alloc_var("int32")
             group = num_v_heads // num_qk_heads
-            qk_head = grid_head if grouped else grid_head // group
+            qk_head = grid_head if group_size else grid_head // group
             start = cu_seqlens[chunk_index[chunk, 0]] + chunk_index[chunk, 1] * _C
             length = T.min(cu_seqlens[chunk_index[chunk, 0] + 1] - start, _C)
             thread = T.get_thread_binding()
@@ -86,9 +86,9 @@ def inverse_program(head_dim: int = HEAD_DIM, dtype: str = "bfloat16", beta_dtyp
             for t, d in T.Parallel(_C, head_dim):
                 k_shared[t, d] = T.if_then_else(t < length, k[start + t, qk_head, d], T.cast(0, dtype))
             T.gemm(k_shared, k_shared, gram, transpose_B=True, clear_accum=True)
-            for member in T.serial(group if grouped else 1):
+            for member in T.serial(group_size if group_size else 1):
                 head = T.alloc_var("int32")
-                head = qk_head * group + member if grouped else grid_head
+                head = qk_head * group_size + member if group_size else grid_head
                 for t in T.Parallel(_C):
                     beta_shared[t] = T.if_then_else(t < length, T.cast(beta[start + t, head], "float32"), 0.0)
 
@@ -158,8 +158,8 @@ def inverse_program(head_dim: int = HEAD_DIM, dtype: str = "bfloat16", beta_dtyp
 
 @functools.lru_cache(maxsize=None)
 def compile_inverse(head_dim: int = HEAD_DIM, dtype: str = "bfloat16", beta_dtype: str = "float32",
-                    min_blocks_per_sm: int = MIN_BLOCKS_PER_SM, grouped: bool = False):
-    program = inverse_program(head_dim, dtype, beta_dtype, min_blocks_per_sm, grouped)
+                    min_blocks_per_sm: int = MIN_BLOCKS_PER_SM, group_size: int = 0):
+    program = inverse_program(head_dim, dtype, beta_dtype, min_blocks_per_sm, group_size)
     return compile_for_hopper(program, fast_math=True)
 
 
@@ -167,11 +167,12 @@ def chunk_inverse(k: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor,
                   grouped: bool = False) -> torch.Tensor:
     """A~ of every chunk and value head, [T, Hv, 64] in k's dtype: k [T, Hqk, K], beta [T, Hv]
     (float32, bf16 or fp16), cu_seqlens int32 [N + 1], chunk_index from chunk_plan.chunk_indices.
-    grouped: the candidate kernel (inverse_program)."""
+    grouped: the candidate kernel (inverse_program), compiled for this group size."""
     num_tokens, _, head_dim = k.shape
     num_v_heads = beta.shape[1]
     inverse = torch.empty(num_tokens, num_v_heads, _C, dtype=k.dtype, device=k.device)
     if chunk_index.shape[0] > 0:
-        kernel = compile_inverse(head_dim, dtype_name(k), dtype_name(beta), grouped=grouped)
+        group_size = num_v_heads // k.shape[1] if grouped else 0
+        kernel = compile_inverse(head_dim, dtype_name(k), dtype_name(beta), group_size=group_size)
         kernel(k, beta, cu_seqlens, chunk_index, inverse)
     return inverse
