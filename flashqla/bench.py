@@ -36,8 +36,7 @@ FLA_CACHE_RESULTS=0) and the timed run then autotunes alone with every kernel al
 ratios (timings live here, not in the GPU tests, so a busy machine cannot fail a correctness test):
 - keep_forward: forward + backward through the public op, keep_for_backward=False, "products" and True;
 - conv: the GDN layer's conv + SiLU, the TileLang kernel against torch.compile of its definition;
-- inverse: the chunks' inverse A~, one CTA per value head and chunk against the grouped candidate (one
-  per qk head and chunk) and FlashQLA's kkt_solve;
+- inverse: the chunks' inverse A~ against FlashQLA's kkt_solve;
 - chunk_grads_l2norm: the chunk gradients then the L2 norm's backward kernel against the chunk
   gradients with the norm's backward in their epilogues (backward.py picks by head layout).
 """
@@ -448,8 +447,7 @@ def compare_inverse(rep_ms: int):
         x = make_inputs(heads, seq_lens)
         k, beta, cu = x["k"][0], x["beta"][0], x["cu_seqlens"]
         index = chunk_indices(cu)
-        times = {"ours": _median_ms(lambda: chunk_inverse(k, beta, cu, index), rep_ms),
-                 "grouped": _median_ms(lambda: chunk_inverse(k, beta, cu, index, grouped=True), rep_ms)}
+        times = {"ours": _median_ms(lambda: chunk_inverse(k, beta, cu, index), rep_ms)}
         if kkt_solve is not None:
             times["flashqla kkt_solve"] = _median_ms(lambda: kkt_solve(x["k"], x["beta"], cu_seqlens=x["cu_seqlens_long"]),
                                                      rep_ms)

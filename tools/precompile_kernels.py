@@ -176,8 +176,6 @@ def compile_walks() -> None:
         for value_block in (32, 64, 128):
             for states, products in keeps:
                 compile_fused_forward(value_block, dtype, beta_dtype, 128, states, products)
-    for group_size in (1, 3, 4, 32):  # the inverse's candidate (bench --compare inverse, its GPU test)
-        compile_inverse(128, "bfloat16", "float32", group_size=group_size)
     print(f"ours, walks: {time.time() - started:.0f} s", flush=True)
 
 

@@ -23,7 +23,6 @@ from flashqla.hopper.walk_bounds import compile_walk_bounds
 COMPILE_CHECKS = [
     ("chunk_local_cumsum", lambda: compile_cumsum()),
     ("chunk_inverse", lambda: compile_inverse()),
-    ("chunk_inverse_grouped_candidate", lambda: compile_inverse(group_size=4)),
     ("fused_forward", lambda: compile_fused_forward(64)),
     ("fused_forward_keeping_all", lambda: compile_fused_forward(128, store_chunk_states=True, store_products=True)),
     ("chunk_states", lambda: compile_chunk_states(64, with_transition=True)),

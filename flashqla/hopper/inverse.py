@@ -33,10 +33,7 @@ MIN_BLOCKS_PER_SM = 8
 
 
 def inverse_program(head_dim: int = HEAD_DIM, dtype: str = "bfloat16", beta_dtype: str = "float32",
-                    min_blocks_per_sm: int = MIN_BLOCKS_PER_SM, group_size: int = 0):
-    """group_size=0: one CTA per (value head, chunk). group_size=G > 0 (a candidate, reached from the
-    bench's comparison and its GPU test only), for G value heads per qk head: one CTA per (qk head,
-    chunk) solves the group's value heads in turn from one load of k and one K K^T."""
+                    min_blocks_per_sm: int = MIN_BLOCKS_PER_SM):
     num_tokens = T.dynamic("num_tokens")
     num_sequences = T.dynamic("num_sequences")
     num_chunks = T.dynamic("num_chunks")
@@ -52,14 +49,12 @@ def inverse_program(head_dim: int = HEAD_DIM, dtype: str = "bfloat16", beta_dtyp
         inverse: T.Tensor((num_tokens, num_v_heads, _C), dtype),
     ):
         # Value heads of one chunk are neighbours in the grid: a qk head's group reads its k tile from L2.
-        with T.Kernel(num_qk_heads if group_size else num_v_heads, num_chunks, threads=_THREADS) as (grid_head, chunk):
+        with T.Kernel(num_v_heads, num_chunks, threads=_THREADS) as (head, chunk):
             # Held in variables: an expression is inlined into every index, as 64-bit divisions there.
-            group = T.alloc_var("int32")
             qk_head = T.alloc_var("int32")
             start = T.alloc_var("int32")
             length = T.alloc_var("int32")
-            group = num_v_heads // num_qk_heads
-            qk_head = grid_head if group_size else grid_head // group
+            qk_head = head // (num_v_heads // num_qk_heads)
             start = cu_seqlens[chunk_index[chunk, 0]] + chunk_index[chunk, 1] * _C
             length = T.min(cu_seqlens[chunk_index[chunk, 0] + 1] - start, _C)
             thread = T.get_thread_binding()
@@ -85,94 +80,88 @@ def inverse_program(head_dim: int = HEAD_DIM, dtype: str = "bfloat16", beta_dtyp
 
             for t, d in T.Parallel(_C, head_dim):
                 k_shared[t, d] = T.if_then_else(t < length, k[start + t, qk_head, d], T.cast(0, dtype))
+            for t in T.Parallel(_C):
+                beta_shared[t] = T.if_then_else(t < length, T.cast(beta[start + t, head], "float32"), 0.0)
             T.gemm(k_shared, k_shared, gram, transpose_B=True, clear_accum=True)
-            for member in T.serial(group_size if group_size else 1):
-                head = T.alloc_var("int32")
-                head = qk_head * group_size + member if group_size else grid_head
-                for t in T.Parallel(_C):
-                    beta_shared[t] = T.if_then_else(t < length, T.cast(beta[start + t, head], "float32"), 0.0)
 
-                # 1. L's parts: the diagonal blocks (strictly lower), the two 16x16 blocks below them inside
-                # the 32x32 diagonal blocks, and -L_BA. Rows past the chunk's end are zero (k and beta are).
-                for i, j in T.Parallel(_C, _C):
-                    if i // _BLOCK == j // _BLOCK:
-                        diag_lower[i // _BLOCK, i % _BLOCK, j % _BLOCK] = T.if_then_else(
-                            j < i, beta_shared[i] * gram[i, j], 0.0)
-                    if i // _BLOCK == j // _BLOCK + 1:
-                        if i // _HALF == j // _HALF:
-                            sub_lower[i // _HALF, i % _BLOCK, j % _BLOCK] = beta_shared[i] * gram[i, j]
-                    if i >= _HALF:
-                        if j < _HALF:
-                            cross_lower[i - _HALF, j] = -beta_shared[i] * gram[i, j]
+            # 1. L's parts: the diagonal blocks (strictly lower), the two 16x16 blocks below them inside
+            # the 32x32 diagonal blocks, and -L_BA. Rows past the chunk's end are zero (k and beta are).
+            for i, j in T.Parallel(_C, _C):
+                if i // _BLOCK == j // _BLOCK:
+                    diag_lower[i // _BLOCK, i % _BLOCK, j % _BLOCK] = T.if_then_else(
+                        j < i, beta_shared[i] * gram[i, j], 0.0)
+                if i // _BLOCK == j // _BLOCK + 1:
+                    if i // _HALF == j // _HALF:
+                        sub_lower[i // _HALF, i % _BLOCK, j % _BLOCK] = beta_shared[i] * gram[i, j]
+                if i >= _HALF:
+                    if j < _HALF:
+                        cross_lower[i - _HALF, j] = -beta_shared[i] * gram[i, j]
 
-                # 2. Column `col` of D_diag, by forward substitution in one thread's registers.
-                diag = thread // _BLOCK
-                col = thread % _BLOCK
-                if thread < 4 * _BLOCK:
-                    for i in T.unroll(_BLOCK):
-                        column[i] = T.if_then_else(i == col, 1.0, 0.0)
-                        for j in T.unroll(i):
-                            column[i] = column[i] - diag_lower[diag, i, j] * column[j]
-                    for i in T.unroll(_BLOCK):
-                        diag_inverse[diag, i, col] = column[i]
+            # 2. Column `col` of D_diag, by forward substitution in one thread's registers.
+            diag = thread // _BLOCK
+            col = thread % _BLOCK
+            if thread < 4 * _BLOCK:
+                for i in T.unroll(_BLOCK):
+                    column[i] = T.if_then_else(i == col, 1.0, 0.0)
+                    for j in T.unroll(i):
+                        column[i] = column[i] - diag_lower[diag, i, j] * column[j]
+                for i in T.unroll(_BLOCK):
+                    diag_inverse[diag, i, col] = column[i]
 
-                # 3. The 32x32 diagonal blocks: D on their diagonal, zero above, -D_{2p+1} L_{2p+1,2p} D_{2p} below.
-                for p, i, j in T.Parallel(2, _BLOCK, _BLOCK):
-                    product = T.alloc_var("float32")
-                    product = 0.0
-                    for r in T.unroll(_BLOCK):
-                        product = product + sub_lower[p, i, r] * diag_inverse[2 * p, r, j]
-                    merge[p, i, j] = product
-                for i, j in T.Parallel(_HALF, _HALF):
-                    top[i, j] = T.if_then_else(i // _BLOCK == j // _BLOCK,
-                                               diag_inverse[i // _BLOCK, i % _BLOCK, j % _BLOCK], 0.0)
-                    bottom[i, j] = T.if_then_else(i // _BLOCK == j // _BLOCK,
-                                                  diag_inverse[2 + i // _BLOCK, i % _BLOCK, j % _BLOCK], 0.0)
-                for p, i, j in T.Parallel(2, _BLOCK, _BLOCK):
-                    below = T.alloc_var("float32")
-                    below = 0.0
-                    for r in T.unroll(_BLOCK):
-                        below = below - diag_inverse[2 * p + 1, i, r] * merge[p, r, j]
-                    if p == 0:
-                        top[_BLOCK + i, j] = below
-                    else:
-                        bottom[_BLOCK + i, j] = below
+            # 3. The 32x32 diagonal blocks: D on their diagonal, zero above, -D_{2p+1} L_{2p+1,2p} D_{2p} below.
+            for p, i, j in T.Parallel(2, _BLOCK, _BLOCK):
+                product = T.alloc_var("float32")
+                product = 0.0
+                for r in T.unroll(_BLOCK):
+                    product = product + sub_lower[p, i, r] * diag_inverse[2 * p, r, j]
+                merge[p, i, j] = product
+            for i, j in T.Parallel(_HALF, _HALF):
+                top[i, j] = T.if_then_else(i // _BLOCK == j // _BLOCK,
+                                           diag_inverse[i // _BLOCK, i % _BLOCK, j % _BLOCK], 0.0)
+                bottom[i, j] = T.if_then_else(i // _BLOCK == j // _BLOCK,
+                                              diag_inverse[2 + i // _BLOCK, i % _BLOCK, j % _BLOCK], 0.0)
+            for p, i, j in T.Parallel(2, _BLOCK, _BLOCK):
+                below = T.alloc_var("float32")
+                below = 0.0
+                for r in T.unroll(_BLOCK):
+                    below = below - diag_inverse[2 * p + 1, i, r] * merge[p, r, j]
+                if p == 0:
+                    top[_BLOCK + i, j] = below
+                else:
+                    bottom[_BLOCK + i, j] = below
 
-                # 4. A~[32:, :32] = A~_B (-L_BA) A~_A.
-                T.gemm(cross_lower, top, corner, clear_accum=True)
-                T.copy(corner, partial)
-                T.gemm(bottom, partial, corner, clear_accum=True)
+            # 4. A~[32:, :32] = A~_B (-L_BA) A~_A.
+            T.gemm(cross_lower, top, corner, clear_accum=True)
+            T.copy(corner, partial)
+            T.gemm(bottom, partial, corner, clear_accum=True)
 
-                for i, j in T.Parallel(_HALF, _HALF):
-                    out_shared[_HALF + i, j] = T.cast(corner[i, j], dtype)
-                for i, j in T.Parallel(_HALF, _HALF):
-                    out_shared[i, j] = T.cast(top[i, j], dtype)
-                    out_shared[i, _HALF + j] = T.cast(0, dtype)
-                    out_shared[_HALF + i, _HALF + j] = T.cast(bottom[i, j], dtype)
-                for i, j in T.Parallel(_C, _C):
-                    if i < length:
-                        inverse[start + i, head, j] = out_shared[i, j]
+            for i, j in T.Parallel(_HALF, _HALF):
+                out_shared[_HALF + i, j] = T.cast(corner[i, j], dtype)
+            for i, j in T.Parallel(_HALF, _HALF):
+                out_shared[i, j] = T.cast(top[i, j], dtype)
+                out_shared[i, _HALF + j] = T.cast(0, dtype)
+                out_shared[_HALF + i, _HALF + j] = T.cast(bottom[i, j], dtype)
+            for i, j in T.Parallel(_C, _C):
+                if i < length:
+                    inverse[start + i, head, j] = out_shared[i, j]
 
     return chunk_inverse_kernel
 
 
 @functools.lru_cache(maxsize=None)
 def compile_inverse(head_dim: int = HEAD_DIM, dtype: str = "bfloat16", beta_dtype: str = "float32",
-                    min_blocks_per_sm: int = MIN_BLOCKS_PER_SM, group_size: int = 0):
-    program = inverse_program(head_dim, dtype, beta_dtype, min_blocks_per_sm, group_size)
+                    min_blocks_per_sm: int = MIN_BLOCKS_PER_SM):
+    program = inverse_program(head_dim, dtype, beta_dtype, min_blocks_per_sm)
     return compile_for_hopper(program, fast_math=True)
 
 
-def chunk_inverse(k: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor, chunk_index: torch.Tensor,
-                  grouped: bool = False) -> torch.Tensor:
+def chunk_inverse(k: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor, chunk_index: torch.Tensor) -> torch.Tensor:
     """A~ of every chunk and value head, [T, Hv, 64] in k's dtype: k [T, Hqk, K], beta [T, Hv]
-    (float32, bf16 or fp16), cu_seqlens int32 [N + 1], chunk_index from chunk_plan.chunk_indices.
-    grouped: the candidate kernel (inverse_program), compiled for this group size."""
+    (float32, bf16 or fp16), cu_seqlens int32 [N + 1], chunk_index from chunk_plan.chunk_indices."""
     num_tokens, _, head_dim = k.shape
     num_v_heads = beta.shape[1]
     inverse = torch.empty(num_tokens, num_v_heads, _C, dtype=k.dtype, device=k.device)
     if chunk_index.shape[0] > 0:
-        group_size = num_v_heads // k.shape[1] if grouped else 0
-        kernel = compile_inverse(head_dim, dtype_name(k), dtype_name(beta), group_size=group_size)
+        kernel = compile_inverse(head_dim, dtype_name(k), dtype_name(beta))
         kernel(k, beta, cu_seqlens, chunk_index, inverse)
     return inverse
