@@ -62,7 +62,7 @@ MAX_VALUE_BLOCK = 128
 
 def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype: str = "float32",
                                  head_dim: int = HEAD_DIM, store_chunk_states: bool = False,
-                                 store_products: bool = False):
+                                 store_products: bool = False, one_product_chain: bool = False):
     num_tokens = T.dynamic("num_tokens")
     num_sequences = T.dynamic("num_sequences")
     num_pieces = T.dynamic("num_pieces")
@@ -77,6 +77,9 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
     # Producer warps arrive on `tiles_full`; every consumer thread and the store warp on `tiles_free`.
     loader_threads = 3 * 32
     reader_threads = 3 * WARPGROUP + 32
+
+    def neg_y_tile(sh):
+        return sh.delta if sh.neg_y is None else sh.neg_y
 
     # Each role is a macro: written inline, the branches nest deeper than Python allows.
     @T.macro
@@ -136,6 +139,47 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
             # E Delta's buffer is free: warpgroup 0 finished reading it before it handed out this chunk's S0.
             if c > 0:
                 T.barrier_wait(sh.delta_free[1 - stage], ((c - 1) // 2) % 2)
+            T.copy(delta, sh.delta)
+            for t, j in T.Parallel(_C, BV):
+                delta[t, j] = delta[t, j] * sh.end_decay[stage, t]
+            T.copy(delta, sh.decayed_delta)
+            T.fence_proxy_async()
+            T.barrier_arrive(sh.delta_ready[stage])
+            T.barrier_arrive(sh.tiles_free[stage])
+
+    @T.macro
+    def delta_warpgroup_one_product(sh, cta):
+        """Warpgroup 1, candidate: Delta = Ab V - (Ab D) K S0, so that one product waits for S0.
+        X = Ab V and -Y = -(Ab D) K (Ab's column s times e^{gamma_s}: D A~ Bt, no e^{-gamma}) are made
+        before S0 arrives; -Y waits in Delta's buffer (there is no room for one more tile at BV = K)."""
+        T.set_max_nreg(_MATH_REGISTERS, 1)
+        delta = T.alloc_fragment((_C, BV), "float32")
+        neg_y = T.alloc_fragment((_C, K), "float32")
+        decayed_ab = T.alloc_fragment((_C, _C), dtype)
+        for c in T.serial(cta.n_chunks):
+            stage = c % 2
+            last = T.min(cta.end - (cta.walk + c * _C), _C) - 1
+            T.barrier_wait(sh.tiles_full[stage], (c // 2) % 2)
+            for t in T.Parallel(_C):
+                sh.row_decay[stage, t] = T.exp2(sh.gamma[stage, t])
+                sh.end_decay[stage, t] = T.if_then_else(
+                    t <= last, T.exp2(sh.gamma[stage, _C - 1] - sh.gamma[stage, t]), 0.0)
+            T.barrier_arrive(sh.decays_ready[stage])
+            T.barrier_wait(sh.decays_ready[stage], (c // 2) % 2)
+            T.barrier_wait(sh.ab_ready[stage], (c // 2) % 2)
+            T.copy(sh.a[stage, :, :], decayed_ab)
+            for t, s in T.Parallel(_C, _C):
+                decayed_ab[t, s] = decayed_ab[t, s] * -sh.row_decay[stage, s]
+            T.gemm(decayed_ab, sh.k[stage, :, :], neg_y, clear_accum=True)
+            # Delta's buffer is free once warpgroup 2 has read the chunk before's (and warpgroup 0
+            # finished reading E Delta before it handed out this chunk's S0).
+            if c > 0:
+                T.barrier_wait(sh.delta_free[1 - stage], ((c - 1) // 2) % 2)
+            T.copy(neg_y, neg_y_tile(sh))
+            T.fence_proxy_async()
+            T.gemm(sh.a[stage, :, :], sh.v[stage, :, :], delta, clear_accum=True)
+            T.barrier_wait(sh.state_ready[stage], (c // 2) % 2)
+            T.gemm(neg_y_tile(sh), sh.state, delta)
             T.copy(delta, sh.delta)
             for t, j in T.Parallel(_C, BV):
                 delta[t, j] = delta[t, j] * sh.end_decay[stage, t]
@@ -296,6 +340,8 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
                 delta=T.alloc_shared((_C, BV), dtype),
                 decayed_delta=T.alloc_shared((_C, BV), dtype),
                 o=T.alloc_shared((_C, BV), dtype),
+                # -Y of the one-product chain, where Delta's buffer is too narrow for it
+                neg_y=T.alloc_shared((_C, K), dtype) if one_product_chain and BV < K else None,
                 # Per stage, so that one completes once per two chunks, after all its waiters of the
                 # chunk before released the stage (tiles_free): no waiter can miss a phase.
                 tiles_full=T.alloc_barrier(arrive_count=[loader_threads] * 2),
@@ -313,7 +359,10 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
             if tx < WARPGROUP:
                 state_warpgroup(sh, cta, initial_state, final_state)
             elif tx < 2 * WARPGROUP:
-                delta_warpgroup(sh, cta)
+                if one_product_chain:
+                    delta_warpgroup_one_product(sh, cta)
+                else:
+                    delta_warpgroup(sh, cta)
             elif tx < 3 * WARPGROUP:
                 output_warpgroup(sh, cta)
             else:
@@ -333,9 +382,9 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
 @functools.lru_cache(maxsize=None)
 def compile_fused_forward(value_block: int, dtype: str = "bfloat16", beta_dtype: str = "float32",
                                  head_dim: int = HEAD_DIM, store_chunk_states: bool = False,
-                                 store_products: bool = False):
+                                 store_products: bool = False, one_product_chain: bool = False):
     program = fused_forward_program(value_block, dtype, beta_dtype, head_dim, store_chunk_states,
-                                           store_products)
+                                           store_products, one_product_chain)
     return compile_for_hopper(program, fast_math=True)
 
 
@@ -343,7 +392,8 @@ def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma: torc
                          beta: torch.Tensor, inverse: torch.Tensor, scale: float, initial_state: torch.Tensor | None,
                          cu_seqlens: torch.Tensor, value_block: int, pieces: torch.Tensor, walk_start: torch.Tensor,
                          store_chunk_states: bool = False, store_products: bool = False,
-                         offsets: torch.Tensor | None = None, num_chunks: int | None = None):
+                         offsets: torch.Tensor | None = None, num_chunks: int | None = None,
+                         one_product_chain: bool = False):
     """(o, final_state, chunk_states or None, gated_inverse or None, scores or None) on flattened inputs.
 
     q, k: [T, Hqk, K]; v: [T, Hv, V]; gamma (fp32 chunk-local cumsum), beta: [T, Hv]; inverse: the
@@ -353,6 +403,7 @@ def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma: torc
     dtype (chunk c of sequence n at row offsets[n] + c); in a split sequence each piece's states come
     from its own (warm-up) walk. num_chunks: offsets' last entry when the caller knows it.
     store_products: also return Ab and P, [T, Hv, 64] each in v's dtype, which the backward reads.
+    one_product_chain: the candidate warpgroup 1 (delta_warpgroup_one_product), for --compare only.
     """
     num_tokens, num_qk_heads, head_dim = k.shape
     num_v_heads = v.shape[1]
@@ -375,7 +426,7 @@ def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma: torc
     scores = torch.empty_like(gated_inverse)
     o = torch.empty_like(v)
     kernel = compile_fused_forward(value_block, dtype_name(v), dtype_name(beta), head_dim,
-                                          store_chunk_states, store_products)
+                                          store_chunk_states, store_products, one_product_chain)
     kernel(q, k, v, gamma, beta, inverse, initial_state, cu_seqlens, offsets, pieces, walk_start, o, final_state,
            states, gated_inverse, scores, float(scale), int(use_initial_state))
     return (o, final_state, states if store_chunk_states else None,
