@@ -454,51 +454,8 @@ def compare_inverse(rep_ms: int):
         yield name, times
 
 
-def compare_forward_walk(rep_ms: int):
-    """The forward walk (fused_forward.py) against its candidate whose chain waits on one product a chunk
-    (`one_product_chain`: Delta = Ab V - (Ab D) K S0), on the forward's own gamma, A~ and plan, storing
-    nothing (as under no_grad) and storing Ab, P (as the model's differentiated forward). Raises where
-    the candidate's o or final state are more than 1e-2 (relative L2) from the walk's, or not finite."""
-    from flashqla.hopper.chunk_plan import device_sm_count, plan_forward
-    from flashqla.hopper.cumsum import chunk_local_cumsum
-    from flashqla.hopper.fused_forward import MAX_VALUE_BLOCK, fused_forward
-    from flashqla.hopper.inverse import chunk_inverse
-    from flashqla.hopper.walk_bounds import walk_bounds
-    from flashqla.testing import relative_error
-
-    shapes = INVERSE_SHAPES + [("16/32 1x32768", (16, 32), [32768]), ("16/48 8192x4", (16, 48), [8192] * 4),
-                               ("16/64 1x8192", (16, 64), [8192])]
-    for name, heads, seq_lens in shapes:
-        x = make_inputs(heads, seq_lens)
-        q, k, v, g, beta, cu = x["q"][0], x["k"][0], x["v"][0], x["g"][0], x["beta"][0], x["cu_seqlens"]
-        plan = plan_forward(cu, heads[1], 128, device_sm_count(q.device), MAX_VALUE_BLOCK,
-                            host_bounds=x["cu_seqlens_cpu"].tolist())
-        gamma = chunk_local_cumsum(g.unsqueeze(0), cu, chunk_index=plan.chunk_index).view(g.shape)
-        inverse = chunk_inverse(k, beta, cu, plan.chunk_index)
-        walk = walk_bounds(gamma, plan.pieces, cu, ahead=False)
-
-        def run(one_product_chain, store_products=False):
-            return fused_forward(q, k, v, gamma, beta, inverse, 128 ** -0.5, x["initial_state"], cu,
-                                 plan.value_block, plan.pieces, walk, store_products=store_products,
-                                 offsets=plan.chunk_offsets, one_product_chain=one_product_chain)
-
-        walk_o, walk_state = run(False)[:2]
-        candidate_o, candidate_state = run(True)[:2]
-        for label, a, b in (("o", walk_o, candidate_o), ("final state", walk_state, candidate_state)):
-            error = relative_error(b, a)
-            if not error <= 1e-2:  # also catches NaN
-                raise AssertionError(f"forward_walk {name}: the candidate's {label} is {error:.2e} from the walk's")
-        print(f"forward_walk {name}: BV {plan.value_block}, {plan.pieces.shape[0]} pieces; candidate o "
-              f"{relative_error(candidate_o, walk_o):.2e}, state {relative_error(candidate_state, walk_state):.2e} "
-              "from the walk's", flush=True)
-        yield name, {"walk": _median_ms(lambda: run(False), rep_ms),
-                     "one-product chain": _median_ms(lambda: run(True), rep_ms),
-                     "walk storing Ab, P": _median_ms(lambda: run(False, True), rep_ms),
-                     "one-product chain storing Ab, P": _median_ms(lambda: run(True, True), rep_ms)}
-
-
 COMPARISONS = {"keep_forward": compare_keep_forward, "conv": compare_conv, "inverse": compare_inverse,
-               "chunk_grads_l2norm": compare_chunk_grads_l2norm, "forward_walk": compare_forward_walk}
+               "chunk_grads_l2norm": compare_chunk_grads_l2norm}
 
 
 def run_comparisons(names: list[str], rep_ms: int, json_path: str | None) -> None:

@@ -4,7 +4,10 @@
 One CTA per (piece, value head, V block) walks 64-token chunks in order with the fp32 state S
 (K x BV) in registers. Per chunk, with gamma the chunk-local cumsum of g:
 
-    U = K S0;  W = V - D U;  Delta = Ab W;  O = scale D Q S0 + P Delta;  S1 = e^{gamma_C} S0 + K^T (E Delta)
+    X = Ab V;  Y = (Ab D) K;  Delta = X - Y S0;  O = scale D Q S0 + P Delta;  S1 = e^{gamma_C} S0 + K^T (E Delta)
+
+(Delta = Ab (V - D K S0), docs/gdn-math.md §2.3, with the state's product taken out of the bracket:
+X and Y do not depend on S0, so one product a chunk waits for it.)
 
 Ab = Gm * A~ * beta_col and P = scale Gm * tril(Q K^T) are made inside the walk from the gate-free
 inverse A~ (inverse.py), so only one [T, Hv, 64] tensor is read besides the
@@ -12,13 +15,13 @@ inputs. The work of a chunk is spread over three math warpgroups and a producer 
 threads, one CTA per SM):
 
 - warpgroup 0 holds S: writes it to shared memory for the others, decays it, adds K^T (E Delta);
-- warpgroup 1 makes the decays, U, W (in place of V), Delta and E Delta;
+- warpgroup 1 makes the decays, X, Y, then Delta and E Delta;
 - warpgroup 2 makes Ab (in place of A~) and P, then O = scale D Q S0 + P Delta;
 - warpgroup 3: one warp each loads q/k, v/beta and A~/gamma (double-buffered, TMA for the tiles),
   the fourth stores o, the chunk states and, for the backward, Ab and P.
 
 No role waits for a whole chunk to end: the walk's chain is warpgroup 0's copy of S, warpgroup
-1's two products and warpgroup 0's update, while warpgroup 2's output and the stores of chunk c
+1's Y S0 and warpgroup 0's update, while warpgroup 2's output and the stores of chunk c
 overlap chunk c + 1. Buffers written once a chunk are double-buffered by chunk parity, or have a
 `*_free` barrier that their next writer waits on; every mbarrier is one per stage, so none can
 complete twice before all its waiters have seen it complete once (each waiter waits before it
@@ -62,7 +65,7 @@ MAX_VALUE_BLOCK = 128
 
 def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype: str = "float32",
                                  head_dim: int = HEAD_DIM, store_chunk_states: bool = False,
-                                 store_products: bool = False, one_product_chain: bool = False):
+                                 store_products: bool = False):
     num_tokens = T.dynamic("num_tokens")
     num_sequences = T.dynamic("num_sequences")
     num_pieces = T.dynamic("num_pieces")
@@ -112,46 +115,9 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
 
     @T.macro
     def delta_warpgroup(sh, cta):
-        """Warpgroup 1: the decays, U = K S0, W = V - D U (into V's buffer), Delta = Ab W and E Delta."""
-        T.set_max_nreg(_MATH_REGISTERS, 1)
-        u = T.alloc_fragment((_C, BV), "float32")
-        delta = T.alloc_fragment((_C, BV), "float32")
-        for c in T.serial(cta.n_chunks):
-            stage = c % 2
-            last = T.min(cta.end - (cta.walk + c * _C), _C) - 1
-            T.barrier_wait(sh.tiles_full[stage], (c // 2) % 2)
-            for t in T.Parallel(_C):
-                sh.row_decay[stage, t] = T.exp2(sh.gamma[stage, t])
-                sh.end_decay[stage, t] = T.if_then_else(
-                    t <= last, T.exp2(sh.gamma[stage, _C - 1] - sh.gamma[stage, t]), 0.0)
-            T.barrier_arrive(sh.decays_ready[stage])
-            T.barrier_wait(sh.decays_ready[stage], (c // 2) % 2)
-            T.barrier_wait(sh.state_ready[stage], (c // 2) % 2)
-            T.gemm(sh.k[stage, :, :], sh.state, u, clear_accum=True)
-            # Each loop either reads or writes shared memory: a loop that reads a stage-indexed shared
-            # array and writes another gets a barrier per element from TileLang.
-            for t, j in T.Parallel(_C, BV):
-                u[t, j] = sh.v[stage, t, j] - sh.row_decay[stage, t] * u[t, j]
-            T.copy(u, sh.v[stage, :, :])
-            T.fence_proxy_async()
-            T.barrier_wait(sh.ab_ready[stage], (c // 2) % 2)
-            T.gemm(sh.a[stage, :, :], sh.v[stage, :, :], delta, clear_accum=True)
-            # E Delta's buffer is free: warpgroup 0 finished reading it before it handed out this chunk's S0.
-            if c > 0:
-                T.barrier_wait(sh.delta_free[1 - stage], ((c - 1) // 2) % 2)
-            T.copy(delta, sh.delta)
-            for t, j in T.Parallel(_C, BV):
-                delta[t, j] = delta[t, j] * sh.end_decay[stage, t]
-            T.copy(delta, sh.decayed_delta)
-            T.fence_proxy_async()
-            T.barrier_arrive(sh.delta_ready[stage])
-            T.barrier_arrive(sh.tiles_free[stage])
-
-    @T.macro
-    def delta_warpgroup_one_product(sh, cta):
-        """Warpgroup 1, candidate: Delta = Ab V - (Ab D) K S0, so that one product waits for S0.
-        X = Ab V and -Y = -(Ab D) K (Ab's column s times e^{gamma_s}: D A~ Bt, no e^{-gamma}) are made
-        before S0 arrives; -Y waits in Delta's buffer (there is no room for one more tile at BV = K)."""
+        """Warpgroup 1: the decays; X = Ab V and -Y = -(Ab D) K before S0 arrives, then Delta = X - Y S0
+        and E Delta. (Ab D is Ab's column s times e^{gamma_s}, i.e. D A~ Bt: no e^{-gamma}.) -Y waits in
+        Delta's buffer at BV = K, where shared memory has no room for another tile."""
         T.set_max_nreg(_MATH_REGISTERS, 1)
         delta = T.alloc_fragment((_C, BV), "float32")
         neg_y = T.alloc_fragment((_C, K), "float32")
@@ -340,8 +306,8 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
                 delta=T.alloc_shared((_C, BV), dtype),
                 decayed_delta=T.alloc_shared((_C, BV), dtype),
                 o=T.alloc_shared((_C, BV), dtype),
-                # -Y of the one-product chain, where Delta's buffer is too narrow for it
-                neg_y=T.alloc_shared((_C, K), dtype) if one_product_chain and BV < K else None,
+                # -Y (warpgroup 1) where Delta's buffer is too narrow for it
+                neg_y=T.alloc_shared((_C, K), dtype) if BV < K else None,
                 # Per stage, so that one completes once per two chunks, after all its waiters of the
                 # chunk before released the stage (tiles_free): no waiter can miss a phase.
                 tiles_full=T.alloc_barrier(arrive_count=[loader_threads] * 2),
@@ -359,10 +325,7 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
             if tx < WARPGROUP:
                 state_warpgroup(sh, cta, initial_state, final_state)
             elif tx < 2 * WARPGROUP:
-                if one_product_chain:
-                    delta_warpgroup_one_product(sh, cta)
-                else:
-                    delta_warpgroup(sh, cta)
+                delta_warpgroup(sh, cta)
             elif tx < 3 * WARPGROUP:
                 output_warpgroup(sh, cta)
             else:
@@ -382,9 +345,9 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
 @functools.lru_cache(maxsize=None)
 def compile_fused_forward(value_block: int, dtype: str = "bfloat16", beta_dtype: str = "float32",
                                  head_dim: int = HEAD_DIM, store_chunk_states: bool = False,
-                                 store_products: bool = False, one_product_chain: bool = False):
+                                 store_products: bool = False):
     program = fused_forward_program(value_block, dtype, beta_dtype, head_dim, store_chunk_states,
-                                           store_products, one_product_chain)
+                                           store_products)
     return compile_for_hopper(program, fast_math=True)
 
 
@@ -392,8 +355,7 @@ def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma: torc
                          beta: torch.Tensor, inverse: torch.Tensor, scale: float, initial_state: torch.Tensor | None,
                          cu_seqlens: torch.Tensor, value_block: int, pieces: torch.Tensor, walk_start: torch.Tensor,
                          store_chunk_states: bool = False, store_products: bool = False,
-                         offsets: torch.Tensor | None = None, num_chunks: int | None = None,
-                         one_product_chain: bool = False):
+                         offsets: torch.Tensor | None = None, num_chunks: int | None = None):
     """(o, final_state, chunk_states or None, gated_inverse or None, scores or None) on flattened inputs.
 
     q, k: [T, Hqk, K]; v: [T, Hv, V]; gamma (fp32 chunk-local cumsum), beta: [T, Hv]; inverse: the
@@ -403,7 +365,6 @@ def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma: torc
     dtype (chunk c of sequence n at row offsets[n] + c); in a split sequence each piece's states come
     from its own (warm-up) walk. num_chunks: offsets' last entry when the caller knows it.
     store_products: also return Ab and P, [T, Hv, 64] each in v's dtype, which the backward reads.
-    one_product_chain: the candidate warpgroup 1 (delta_warpgroup_one_product), for --compare only.
     """
     num_tokens, num_qk_heads, head_dim = k.shape
     num_v_heads = v.shape[1]
@@ -426,7 +387,7 @@ def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma: torc
     scores = torch.empty_like(gated_inverse)
     o = torch.empty_like(v)
     kernel = compile_fused_forward(value_block, dtype_name(v), dtype_name(beta), head_dim,
-                                          store_chunk_states, store_products, one_product_chain)
+                                          store_chunk_states, store_products)
     kernel(q, k, v, gamma, beta, inverse, initial_state, cu_seqlens, offsets, pieces, walk_start, o, final_state,
            states, gated_inverse, scores, float(scale), int(use_initial_state))
     return (o, final_state, states if store_chunk_states else None,
