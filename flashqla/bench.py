@@ -454,46 +454,8 @@ def compare_inverse(rep_ms: int):
         yield name, times
 
 
-def compare_forward_stores(rep_ms: int):
-    """The forward walk (fused_forward.py) against its candidate that stores the chunk states from a
-    warp of their own (`state_store_warp`: the states no longer wait behind the chunk before's o, Ab
-    and P stores), storing nothing, Ab and P ("products"), and everything (what the model keeps), on
-    the forward's own gamma, A~ and plan. Raises unless every output is bitwise the walk's."""
-    from flashqla.hopper.chunk_plan import device_sm_count, plan_forward
-    from flashqla.hopper.cumsum import chunk_local_cumsum
-    from flashqla.hopper.fused_forward import MAX_VALUE_BLOCK, fused_forward
-    from flashqla.hopper.inverse import chunk_inverse
-    from flashqla.hopper.walk_bounds import walk_bounds
-
-    keeps = {"nothing": (False, False), "products": (False, True), "everything": (True, True)}
-    ragged = ("16/16 ragged", (16, 16), [1000, 0, 64, 2047, 1, 129, 640])
-    for name, heads, seq_lens in INVERSE_SHAPES + [ragged]:
-        x = make_inputs(heads, seq_lens)
-        q, k, v, g, beta, cu = x["q"][0], x["k"][0], x["v"][0], x["g"][0], x["beta"][0], x["cu_seqlens"]
-        plan = plan_forward(cu, heads[1], 128, device_sm_count(q.device), MAX_VALUE_BLOCK,
-                            host_bounds=x["cu_seqlens_cpu"].tolist())
-        gamma = chunk_local_cumsum(g.unsqueeze(0), cu, chunk_index=plan.chunk_index).view(g.shape)
-        inverse = chunk_inverse(k, beta, cu, plan.chunk_index)
-        walk = walk_bounds(gamma, plan.pieces, cu, ahead=False)
-
-        def run(state_store_warp, keep):
-            return fused_forward(q, k, v, gamma, beta, inverse, 128 ** -0.5, x["initial_state"], cu,
-                                 plan.value_block, plan.pieces, walk, store_chunk_states=keep[0],
-                                 store_products=keep[1], offsets=plan.chunk_offsets,
-                                 num_chunks=plan.chunk_index.shape[0], state_store_warp=state_store_warp)
-
-        times = {}
-        for label, keep in keeps.items():
-            for a, b in zip(run(False, keep), run(True, keep)):
-                if a is not None and not torch.equal(a, b):
-                    raise AssertionError(f"forward_stores {name}: the candidate keeping {label} differs from the walk")
-            times[f"walk, {label}"] = _median_ms(lambda: run(False, keep), rep_ms)
-            times[f"candidate, {label}"] = _median_ms(lambda: run(True, keep), rep_ms)
-        yield name, times
-
-
 COMPARISONS = {"keep_forward": compare_keep_forward, "conv": compare_conv, "inverse": compare_inverse,
-               "chunk_grads_l2norm": compare_chunk_grads_l2norm, "forward_stores": compare_forward_stores}
+               "chunk_grads_l2norm": compare_chunk_grads_l2norm}
 
 
 def run_comparisons(names: list[str], rep_ms: int, json_path: str | None) -> None:

@@ -179,20 +179,6 @@ def compile_walks() -> None:
     print(f"ours, walks: {time.time() - started:.0f} s", flush=True)
 
 
-def compile_walk_candidate() -> None:
-    """The forward walk's candidate with a warp for the chunk states (`flashqla.bench --compare
-    forward_stores`), in every specialisation of compile_walks, so that it can become the walk without
-    a compile on the device."""
-    from flashqla.hopper.fused_forward import compile_fused_forward
-
-    started = time.time()
-    for dtype, beta_dtype in (("bfloat16", "float32"), ("bfloat16", "bfloat16"), ("float16", "float32")):
-        for value_block in (32, 64, 128):
-            for states, products in ((False, False), (True, True), (False, True), (True, False)):
-                compile_fused_forward(value_block, dtype, beta_dtype, 128, states, products, state_store_warp=True)
-    print(f"ours, the walk's candidate: {time.time() - started:.0f} s", flush=True)
-
-
 def compile_checks() -> None:
     """One representative specialisation of every kernel of ours (flashqla/hopper/compile_check.py,
     what CI compiles)."""
@@ -309,7 +295,6 @@ def main(argv=None) -> None:
                 compile_ours([(f"hard {heads[0]}/{heads[1]} {lens}", heads, lens)], with_initial_state=with_h0)
         if "compare" in sets:
             compile_ours([("16/16 1x131072", (16, 16), [131072])])
-            compile_walk_candidate()
     if not args.skip_fla:
         compile_fla_tilelang(sorted({heads for _, heads, _ in shapes + model_shapes}))
     if not args.skip_flashqla:

@@ -65,7 +65,7 @@ MAX_VALUE_BLOCK = 128
 
 def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype: str = "float32",
                                  head_dim: int = HEAD_DIM, store_chunk_states: bool = False,
-                                 store_products: bool = False, state_store_warp: bool = False):
+                                 store_products: bool = False):
     num_tokens = T.dynamic("num_tokens")
     num_sequences = T.dynamic("num_sequences")
     num_pieces = T.dynamic("num_pieces")
@@ -78,7 +78,7 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
     value_blocks = head_dim // BV
     producer_registers, state_registers = _register_split(BV)
     # Producer warps arrive on `tiles_full`; every consumer thread and the store warp on `tiles_free`.
-    loader_threads = (2 if state_store_warp else 3) * 32
+    loader_threads = 3 * 32
     reader_threads = 3 * WARPGROUP + 32
 
     def neg_y_tile(sh):
@@ -230,50 +230,18 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
             T.barrier_arrive(sh.tiles_full[stage])
 
     @T.macro
-    def load_qk_v_beta(sh, cta, q, k, v, beta):
-        """Candidate (state_store_warp): q, k, v and beta from one warp."""
+    def store_outputs(sh, cta, o, chunk_states, gated_inverse, scores):
+        """The store warp: o, the chunk states, Ab and P of the piece's own chunks."""
         for c in T.serial(cta.n_chunks):
             stage = c % 2
             left = cta.walk + c * _C
             last = T.min(cta.end - left, _C) - 1
-            T.barrier_wait(sh.tiles_free[stage], (c // 2 + 1) % 2)
-            T.tma_copy(q[left:left + _C, cta.qk_head, 0:K], sh.q[stage, :, :], barrier=sh.tiles_full[stage])
-            T.tma_copy(k[left:left + _C, cta.qk_head, 0:K], sh.k[stage, :, :], barrier=sh.tiles_full[stage])
-            T.tma_copy(v[left:left + _C, cta.head, cta.v0:cta.v0 + BV], sh.v[stage, :, :],
-                       barrier=sh.tiles_full[stage])
-            for t in T.Parallel(_C):
-                sh.beta[stage, t] = T.cast(beta[left + T.min(t, last), cta.head], "float32")
-            T.barrier_arrive(sh.tiles_full[stage])
-
-    @T.macro
-    def store_states(sh, cta, chunk_states):
-        """The state of each own chunk, as soon as warpgroup 0 has handed it out: warpgroup 0 waits for
-        this store (state_free) before it writes the next chunk's state."""
-        for c in T.serial(cta.n_chunks):
-            stage = c % 2
-            left = cta.walk + c * _C
             own = left >= cta.piece_start
             T.barrier_wait(sh.state_ready[stage], (c // 2) % 2)
             if store_chunk_states and own:
                 T.copy(sh.state, chunk_states[cta.first_chunk + (left - cta.seq_start) // _C, cta.head,
                                               0:K, cta.v0:cta.v0 + BV])
             T.barrier_arrive(sh.state_free[stage])
-
-    @T.macro
-    def store_outputs(sh, cta, o, chunk_states, gated_inverse, scores):
-        """The store warp: o, Ab and P of the piece's own chunks, and the chunk states unless a warp of
-        their own stores them (state_store_warp)."""
-        for c in T.serial(cta.n_chunks):
-            stage = c % 2
-            left = cta.walk + c * _C
-            last = T.min(cta.end - left, _C) - 1
-            own = left >= cta.piece_start
-            if not state_store_warp:
-                T.barrier_wait(sh.state_ready[stage], (c // 2) % 2)
-                if store_chunk_states and own:
-                    T.copy(sh.state, chunk_states[cta.first_chunk + (left - cta.seq_start) // _C, cta.head,
-                                                  0:K, cta.v0:cta.v0 + BV])
-                T.barrier_arrive(sh.state_free[stage])
             T.barrier_wait(sh.o_ready[stage], (c // 2) % 2)
             if own and left + _C <= cta.end:
                 T.copy(sh.o, o[left:left + _C, cta.head, cta.v0:cta.v0 + BV])
@@ -362,16 +330,7 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
                 output_warpgroup(sh, cta)
             else:
                 T.set_max_nreg(producer_registers, 0)
-                if state_store_warp:
-                    if tx < 3 * WARPGROUP + 32:
-                        load_qk_v_beta(sh, cta, q, k, v, beta)
-                    elif tx < 3 * WARPGROUP + 64:
-                        load_inverse_gamma(sh, cta, inverse, gamma)
-                    elif tx < 3 * WARPGROUP + 96:
-                        store_states(sh, cta, chunk_states)
-                    else:
-                        store_outputs(sh, cta, o, chunk_states, gated_inverse, scores)
-                elif tx < 3 * WARPGROUP + 32:
+                if tx < 3 * WARPGROUP + 32:
                     load_qk(sh, cta, q, k)
                 elif tx < 3 * WARPGROUP + 64:
                     load_v_beta(sh, cta, v, beta)
@@ -386,9 +345,9 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
 @functools.lru_cache(maxsize=None)
 def compile_fused_forward(value_block: int, dtype: str = "bfloat16", beta_dtype: str = "float32",
                                  head_dim: int = HEAD_DIM, store_chunk_states: bool = False,
-                                 store_products: bool = False, state_store_warp: bool = False):
+                                 store_products: bool = False):
     program = fused_forward_program(value_block, dtype, beta_dtype, head_dim, store_chunk_states,
-                                           store_products, state_store_warp)
+                                           store_products)
     return compile_for_hopper(program, fast_math=True)
 
 
@@ -396,8 +355,7 @@ def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma: torc
                          beta: torch.Tensor, inverse: torch.Tensor, scale: float, initial_state: torch.Tensor | None,
                          cu_seqlens: torch.Tensor, value_block: int, pieces: torch.Tensor, walk_start: torch.Tensor,
                          store_chunk_states: bool = False, store_products: bool = False,
-                         offsets: torch.Tensor | None = None, num_chunks: int | None = None,
-                         state_store_warp: bool = False):
+                         offsets: torch.Tensor | None = None, num_chunks: int | None = None):
     """(o, final_state, chunk_states or None, gated_inverse or None, scores or None) on flattened inputs.
 
     q, k: [T, Hqk, K]; v: [T, Hv, V]; gamma (fp32 chunk-local cumsum), beta: [T, Hv]; inverse: the
@@ -407,7 +365,6 @@ def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma: torc
     dtype (chunk c of sequence n at row offsets[n] + c); in a split sequence each piece's states come
     from its own (warm-up) walk. num_chunks: offsets' last entry when the caller knows it.
     store_products: also return Ab and P, [T, Hv, 64] each in v's dtype, which the backward reads.
-    state_store_warp: the candidate that stores the chunk states from a warp of their own (--compare only).
     """
     num_tokens, num_qk_heads, head_dim = k.shape
     num_v_heads = v.shape[1]
@@ -430,7 +387,7 @@ def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma: torc
     scores = torch.empty_like(gated_inverse)
     o = torch.empty_like(v)
     kernel = compile_fused_forward(value_block, dtype_name(v), dtype_name(beta), head_dim,
-                                          store_chunk_states, store_products, state_store_warp)
+                                          store_chunk_states, store_products)
     kernel(q, k, v, gamma, beta, inverse, initial_state, cu_seqlens, offsets, pieces, walk_start, o, final_state,
            states, gated_inverse, scores, float(scale), int(use_initial_state))
     return (o, final_state, states if store_chunk_states else None,
