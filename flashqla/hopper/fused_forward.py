@@ -65,7 +65,7 @@ MAX_VALUE_BLOCK = 128
 
 def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype: str = "float32",
                                  head_dim: int = HEAD_DIM, store_chunk_states: bool = False,
-                                 store_products: bool = False):
+                                 store_products: bool = False, delta_builds_ab: bool = False):
     num_tokens = T.dynamic("num_tokens")
     num_sequences = T.dynamic("num_sequences")
     num_pieces = T.dynamic("num_pieces")
@@ -122,6 +122,7 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
         delta = T.alloc_fragment((_C, BV), "float32")
         neg_y = T.alloc_fragment((_C, K), "float32")
         decayed_ab = T.alloc_fragment((_C, _C), dtype)
+        ab = T.alloc_fragment((_C, _C), "float32") if delta_builds_ab else None
         for c in T.serial(cta.n_chunks):
             stage = c % 2
             last = T.min(cta.end - (cta.walk + c * _C), _C) - 1
@@ -132,10 +133,23 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
                     t <= last, T.exp2(sh.gamma[stage, _C - 1] - sh.gamma[stage, t]), 0.0)
             T.barrier_arrive(sh.decays_ready[stage])
             T.barrier_wait(sh.decays_ready[stage], (c // 2) % 2)
-            T.barrier_wait(sh.ab_ready[stage], (c // 2) % 2)
-            T.copy(sh.a[stage, :, :], decayed_ab)
-            for t, s in T.Parallel(_C, _C):
-                decayed_ab[t, s] = decayed_ab[t, s] * -sh.row_decay[stage, s]
+            if delta_builds_ab:
+                # candidate: Ab and Ab D from A~ here, not behind warpgroup 2's work on the chunk before
+                T.copy(sh.a[stage, :, :], decayed_ab)
+                T.copy(sh.a[stage, :, :], ab)
+                for t, s in T.Parallel(_C, _C):
+                    decayed_ab[t, s] = T.if_then_else(
+                        s <= t, -sh.row_decay[stage, t] * sh.beta[stage, s] * decayed_ab[t, s], 0.0)
+                for t, s in T.Parallel(_C, _C):
+                    ab[t, s] = T.if_then_else(
+                        s <= t, T.exp2(sh.gamma[stage, t] - sh.gamma[stage, s]) * sh.beta[stage, s] * ab[t, s], 0.0)
+                T.copy(ab, sh.a[stage, :, :])
+                T.fence_proxy_async()
+            else:
+                T.barrier_wait(sh.ab_ready[stage], (c // 2) % 2)
+                T.copy(sh.a[stage, :, :], decayed_ab)
+                for t, s in T.Parallel(_C, _C):
+                    decayed_ab[t, s] = decayed_ab[t, s] * -sh.row_decay[stage, s]
             T.gemm(decayed_ab, sh.k[stage, :, :], neg_y, clear_accum=True)
             # Delta's buffer is free once warpgroup 2 has read the chunk before's (and warpgroup 0
             # finished reading E Delta before it handed out this chunk's S0).
@@ -164,15 +178,16 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
         for c in T.serial(cta.n_chunks):
             stage = c % 2
             T.barrier_wait(sh.tiles_full[stage], (c // 2) % 2)
-            # Through registers: updated in place in shared memory, TileLang would put a barrier
-            # between every two elements.
-            T.copy(sh.a[stage, :, :], ab)
-            for t, s in T.Parallel(_C, _C):
-                ab[t, s] = T.if_then_else(
-                    s <= t, T.exp2(sh.gamma[stage, t] - sh.gamma[stage, s]) * sh.beta[stage, s] * ab[t, s], 0.0)
-            T.copy(ab, sh.a[stage, :, :])
-            T.fence_proxy_async()
-            T.barrier_arrive(sh.ab_ready[stage])
+            if not delta_builds_ab:
+                # Through registers: updated in place in shared memory, TileLang would put a barrier
+                # between every two elements.
+                T.copy(sh.a[stage, :, :], ab)
+                for t, s in T.Parallel(_C, _C):
+                    ab[t, s] = T.if_then_else(
+                        s <= t, T.exp2(sh.gamma[stage, t] - sh.gamma[stage, s]) * sh.beta[stage, s] * ab[t, s], 0.0)
+                T.copy(ab, sh.a[stage, :, :])
+                T.fence_proxy_async()
+                T.barrier_arrive(sh.ab_ready[stage])
             T.gemm(sh.q[stage, :, :], sh.k[stage, :, :], qk, transpose_B=True, clear_accum=True)
             for t, s in T.Parallel(_C, _C):
                 sh.p[stage, t, s] = T.if_then_else(
@@ -345,9 +360,9 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
 @functools.lru_cache(maxsize=None)
 def compile_fused_forward(value_block: int, dtype: str = "bfloat16", beta_dtype: str = "float32",
                                  head_dim: int = HEAD_DIM, store_chunk_states: bool = False,
-                                 store_products: bool = False):
+                                 store_products: bool = False, delta_builds_ab: bool = False):
     program = fused_forward_program(value_block, dtype, beta_dtype, head_dim, store_chunk_states,
-                                           store_products)
+                                           store_products, delta_builds_ab)
     return compile_for_hopper(program, fast_math=True)
 
 
@@ -355,7 +370,8 @@ def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma: torc
                          beta: torch.Tensor, inverse: torch.Tensor, scale: float, initial_state: torch.Tensor | None,
                          cu_seqlens: torch.Tensor, value_block: int, pieces: torch.Tensor, walk_start: torch.Tensor,
                          store_chunk_states: bool = False, store_products: bool = False,
-                         offsets: torch.Tensor | None = None, num_chunks: int | None = None):
+                         offsets: torch.Tensor | None = None, num_chunks: int | None = None,
+                         delta_builds_ab: bool = False):
     """(o, final_state, chunk_states or None, gated_inverse or None, scores or None) on flattened inputs.
 
     q, k: [T, Hqk, K]; v: [T, Hv, V]; gamma (fp32 chunk-local cumsum), beta: [T, Hv]; inverse: the
@@ -365,6 +381,7 @@ def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma: torc
     dtype (chunk c of sequence n at row offsets[n] + c); in a split sequence each piece's states come
     from its own (warm-up) walk. num_chunks: offsets' last entry when the caller knows it.
     store_products: also return Ab and P, [T, Hv, 64] each in v's dtype, which the backward reads.
+    delta_builds_ab: the candidate whose warpgroup 1 builds Ab itself (--compare forward_ab only).
     """
     num_tokens, num_qk_heads, head_dim = k.shape
     num_v_heads = v.shape[1]
@@ -387,7 +404,7 @@ def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma: torc
     scores = torch.empty_like(gated_inverse)
     o = torch.empty_like(v)
     kernel = compile_fused_forward(value_block, dtype_name(v), dtype_name(beta), head_dim,
-                                          store_chunk_states, store_products)
+                                          store_chunk_states, store_products, delta_builds_ab)
     kernel(q, k, v, gamma, beta, inverse, initial_state, cu_seqlens, offsets, pieces, walk_start, o, final_state,
            states, gated_inverse, scores, float(scale), int(use_initial_state))
     return (o, final_state, states if store_chunk_states else None,
