@@ -454,55 +454,8 @@ def compare_inverse(rep_ms: int):
         yield name, times
 
 
-def compare_forward_ab(rep_ms: int):
-    """The forward walk (fused_forward.py) against its candidate whose warpgroup 1 builds Ab and Ab D
-    from A~ itself (`delta_builds_ab`), instead of waiting for warpgroup 2 to build Ab after its work on
-    the chunk before; storing nothing and everything (what the model keeps), on the forward's own
-    gamma, A~ and plan. Raises where the candidate's o or final state are more than 1e-2 (relative
-    L2) from the walk's, or where its stored Ab and P are not bitwise the walk's."""
-    from flashqla.hopper.chunk_plan import device_sm_count, plan_forward
-    from flashqla.hopper.cumsum import chunk_local_cumsum
-    from flashqla.hopper.fused_forward import MAX_VALUE_BLOCK, fused_forward
-    from flashqla.hopper.inverse import chunk_inverse
-    from flashqla.hopper.walk_bounds import walk_bounds
-    from flashqla.testing import relative_error
-
-    keeps = {"nothing": (False, False), "everything": (True, True)}
-    shapes = INVERSE_SHAPES + [("16/32 1x32768", (16, 32), [32768]), ("16/16 ragged", (16, 16),
-                                                                        [1000, 0, 64, 2047, 1, 129, 640])]
-    for name, heads, seq_lens in shapes:
-        x = make_inputs(heads, seq_lens)
-        q, k, v, g, beta, cu = x["q"][0], x["k"][0], x["v"][0], x["g"][0], x["beta"][0], x["cu_seqlens"]
-        plan = plan_forward(cu, heads[1], 128, device_sm_count(q.device), MAX_VALUE_BLOCK,
-                            host_bounds=x["cu_seqlens_cpu"].tolist())
-        gamma = chunk_local_cumsum(g.unsqueeze(0), cu, chunk_index=plan.chunk_index).view(g.shape)
-        inverse = chunk_inverse(k, beta, cu, plan.chunk_index)
-        walk = walk_bounds(gamma, plan.pieces, cu, ahead=False)
-
-        def run(delta_builds_ab, keep):
-            return fused_forward(q, k, v, gamma, beta, inverse, 128 ** -0.5, x["initial_state"], cu,
-                                 plan.value_block, plan.pieces, walk, store_chunk_states=keep[0],
-                                 store_products=keep[1], offsets=plan.chunk_offsets,
-                                 num_chunks=plan.chunk_index.shape[0], delta_builds_ab=delta_builds_ab)
-
-        walk_out, candidate_out = run(False, keeps["everything"]), run(True, keeps["everything"])
-        errors = [relative_error(b, a) for a, b in zip(walk_out[:3], candidate_out[:3])]
-        if not max(errors) <= 1e-2:  # also catches NaN
-            raise AssertionError(f"forward_ab {name}: the candidate's o, final state, chunk states are "
-                                 f"{errors} from the walk's")
-        if not all(torch.equal(a, b) for a, b in zip(walk_out[3:], candidate_out[3:])):
-            raise AssertionError(f"forward_ab {name}: the candidate's Ab or P differ from the walk's")
-        print(f"forward_ab {name}: candidate o, final state, chunk states {errors[0]:.2e}, {errors[1]:.2e}, "
-              f"{errors[2]:.2e} from the walk's", flush=True)
-        times = {}
-        for label, keep in keeps.items():
-            times[f"walk, {label}"] = _median_ms(lambda: run(False, keep), rep_ms)
-            times[f"candidate, {label}"] = _median_ms(lambda: run(True, keep), rep_ms)
-        yield name, times
-
-
 COMPARISONS = {"keep_forward": compare_keep_forward, "conv": compare_conv, "inverse": compare_inverse,
-               "chunk_grads_l2norm": compare_chunk_grads_l2norm, "forward_ab": compare_forward_ab}
+               "chunk_grads_l2norm": compare_chunk_grads_l2norm}
 
 
 def run_comparisons(names: list[str], rep_ms: int, json_path: str | None) -> None:

@@ -15,8 +15,8 @@ inputs. The work of a chunk is spread over three math warpgroups and a producer 
 threads, one CTA per SM):
 
 - warpgroup 0 holds S: writes it to shared memory for the others, decays it, adds K^T (E Delta);
-- warpgroup 1 makes the decays, X, Y, then Delta and E Delta;
-- warpgroup 2 makes Ab (in place of A~) and P, then O = scale D Q S0 + P Delta;
+- warpgroup 1 makes the decays, Ab (in place of A~), X, Y, then Delta and E Delta;
+- warpgroup 2 makes P, then O = scale D Q S0 + P Delta;
 - warpgroup 3: one warp each loads q/k, v/beta and A~/gamma (double-buffered, TMA for the tiles),
   the fourth stores o, the chunk states and, for the backward, Ab and P.
 
@@ -65,7 +65,7 @@ MAX_VALUE_BLOCK = 128
 
 def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype: str = "float32",
                                  head_dim: int = HEAD_DIM, store_chunk_states: bool = False,
-                                 store_products: bool = False, delta_builds_ab: bool = False):
+                                 store_products: bool = False):
     num_tokens = T.dynamic("num_tokens")
     num_sequences = T.dynamic("num_sequences")
     num_pieces = T.dynamic("num_pieces")
@@ -115,14 +115,15 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
 
     @T.macro
     def delta_warpgroup(sh, cta):
-        """Warpgroup 1: the decays; X = Ab V and -Y = -(Ab D) K before S0 arrives, then Delta = X - Y S0
-        and E Delta. (Ab D is Ab's column s times e^{gamma_s}, i.e. D A~ Bt: no e^{-gamma}.) -Y waits in
-        Delta's buffer at BV = K, where shared memory has no room for another tile."""
+        """Warpgroup 1: the decays, Ab; X = Ab V and -Y = -(Ab D) K before S0 arrives, then Delta = X - Y S0
+        and E Delta. (Ab D = D A~ Bt: no e^{-gamma}.) Ab is made here, not on warpgroup 2, so that X and Y
+        need not wait for warpgroup 2's work on the chunk before. -Y waits in Delta's buffer at BV = K,
+        where shared memory has no room for another tile."""
         T.set_max_nreg(_MATH_REGISTERS, 1)
         delta = T.alloc_fragment((_C, BV), "float32")
         neg_y = T.alloc_fragment((_C, K), "float32")
         decayed_ab = T.alloc_fragment((_C, _C), dtype)
-        ab = T.alloc_fragment((_C, _C), "float32") if delta_builds_ab else None
+        ab = T.alloc_fragment((_C, _C), "float32")
         for c in T.serial(cta.n_chunks):
             stage = c % 2
             last = T.min(cta.end - (cta.walk + c * _C), _C) - 1
@@ -133,23 +134,18 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
                     t <= last, T.exp2(sh.gamma[stage, _C - 1] - sh.gamma[stage, t]), 0.0)
             T.barrier_arrive(sh.decays_ready[stage])
             T.barrier_wait(sh.decays_ready[stage], (c // 2) % 2)
-            if delta_builds_ab:
-                # candidate: Ab and Ab D from A~ here, not behind warpgroup 2's work on the chunk before
-                T.copy(sh.a[stage, :, :], decayed_ab)
-                T.copy(sh.a[stage, :, :], ab)
-                for t, s in T.Parallel(_C, _C):
-                    decayed_ab[t, s] = T.if_then_else(
-                        s <= t, -sh.row_decay[stage, t] * sh.beta[stage, s] * decayed_ab[t, s], 0.0)
-                for t, s in T.Parallel(_C, _C):
-                    ab[t, s] = T.if_then_else(
-                        s <= t, T.exp2(sh.gamma[stage, t] - sh.gamma[stage, s]) * sh.beta[stage, s] * ab[t, s], 0.0)
-                T.copy(ab, sh.a[stage, :, :])
-                T.fence_proxy_async()
-            else:
-                T.barrier_wait(sh.ab_ready[stage], (c // 2) % 2)
-                T.copy(sh.a[stage, :, :], decayed_ab)
-                for t, s in T.Parallel(_C, _C):
-                    decayed_ab[t, s] = decayed_ab[t, s] * -sh.row_decay[stage, s]
+            # -(Ab D) = -D A~ Bt and Ab = Gm A~ Bt from A~, both through registers (updated in place in
+            # shared memory, TileLang would put a barrier between every two elements)
+            T.copy(sh.a[stage, :, :], decayed_ab)
+            T.copy(sh.a[stage, :, :], ab)
+            for t, s in T.Parallel(_C, _C):
+                decayed_ab[t, s] = T.if_then_else(
+                    s <= t, -sh.row_decay[stage, t] * sh.beta[stage, s] * decayed_ab[t, s], 0.0)
+            for t, s in T.Parallel(_C, _C):
+                ab[t, s] = T.if_then_else(
+                    s <= t, T.exp2(sh.gamma[stage, t] - sh.gamma[stage, s]) * sh.beta[stage, s] * ab[t, s], 0.0)
+            T.copy(ab, sh.a[stage, :, :])
+            T.fence_proxy_async()
             T.gemm(decayed_ab, sh.k[stage, :, :], neg_y, clear_accum=True)
             # Delta's buffer is free once warpgroup 2 has read the chunk before's (and warpgroup 0
             # finished reading E Delta before it handed out this chunk's S0).
@@ -170,24 +166,13 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
 
     @T.macro
     def output_warpgroup(sh, cta):
-        """Warpgroup 2: Ab (into A~'s buffer), P, then O = scale D Q S0 + P Delta."""
+        """Warpgroup 2: P, then O = scale D Q S0 + P Delta."""
         T.set_max_nreg(_MATH_REGISTERS, 1)
-        ab = T.alloc_fragment((_C, _C), "float32")
         qk = T.alloc_fragment((_C, _C), "float32")
         out = T.alloc_fragment((_C, BV), "float32")
         for c in T.serial(cta.n_chunks):
             stage = c % 2
             T.barrier_wait(sh.tiles_full[stage], (c // 2) % 2)
-            if not delta_builds_ab:
-                # Through registers: updated in place in shared memory, TileLang would put a barrier
-                # between every two elements.
-                T.copy(sh.a[stage, :, :], ab)
-                for t, s in T.Parallel(_C, _C):
-                    ab[t, s] = T.if_then_else(
-                        s <= t, T.exp2(sh.gamma[stage, t] - sh.gamma[stage, s]) * sh.beta[stage, s] * ab[t, s], 0.0)
-                T.copy(ab, sh.a[stage, :, :])
-                T.fence_proxy_async()
-                T.barrier_arrive(sh.ab_ready[stage])
             T.gemm(sh.q[stage, :, :], sh.k[stage, :, :], qk, transpose_B=True, clear_accum=True)
             for t, s in T.Parallel(_C, _C):
                 sh.p[stage, t, s] = T.if_then_else(
@@ -330,7 +315,6 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
                 state_ready=T.alloc_barrier(arrive_count=[WARPGROUP] * 2),
                 state_free=T.alloc_barrier(arrive_count=[WARPGROUP + 32] * 2),   # warpgroup 2, store warp
                 decays_ready=T.alloc_barrier(arrive_count=[WARPGROUP] * 2),
-                ab_ready=T.alloc_barrier(arrive_count=[WARPGROUP] * 2),
                 delta_ready=T.alloc_barrier(arrive_count=[WARPGROUP] * 2),
                 delta_free=T.alloc_barrier(arrive_count=[WARPGROUP] * 2),
                 o_ready=T.alloc_barrier(arrive_count=[WARPGROUP] * 2),
@@ -360,9 +344,9 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
 @functools.lru_cache(maxsize=None)
 def compile_fused_forward(value_block: int, dtype: str = "bfloat16", beta_dtype: str = "float32",
                                  head_dim: int = HEAD_DIM, store_chunk_states: bool = False,
-                                 store_products: bool = False, delta_builds_ab: bool = False):
+                                 store_products: bool = False):
     program = fused_forward_program(value_block, dtype, beta_dtype, head_dim, store_chunk_states,
-                                           store_products, delta_builds_ab)
+                                           store_products)
     return compile_for_hopper(program, fast_math=True)
 
 
@@ -370,8 +354,7 @@ def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma: torc
                          beta: torch.Tensor, inverse: torch.Tensor, scale: float, initial_state: torch.Tensor | None,
                          cu_seqlens: torch.Tensor, value_block: int, pieces: torch.Tensor, walk_start: torch.Tensor,
                          store_chunk_states: bool = False, store_products: bool = False,
-                         offsets: torch.Tensor | None = None, num_chunks: int | None = None,
-                         delta_builds_ab: bool = False):
+                         offsets: torch.Tensor | None = None, num_chunks: int | None = None):
     """(o, final_state, chunk_states or None, gated_inverse or None, scores or None) on flattened inputs.
 
     q, k: [T, Hqk, K]; v: [T, Hv, V]; gamma (fp32 chunk-local cumsum), beta: [T, Hv]; inverse: the
@@ -381,7 +364,6 @@ def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma: torc
     dtype (chunk c of sequence n at row offsets[n] + c); in a split sequence each piece's states come
     from its own (warm-up) walk. num_chunks: offsets' last entry when the caller knows it.
     store_products: also return Ab and P, [T, Hv, 64] each in v's dtype, which the backward reads.
-    delta_builds_ab: the candidate whose warpgroup 1 builds Ab itself (--compare forward_ab only).
     """
     num_tokens, num_qk_heads, head_dim = k.shape
     num_v_heads = v.shape[1]
@@ -404,7 +386,7 @@ def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma: torc
     scores = torch.empty_like(gated_inverse)
     o = torch.empty_like(v)
     kernel = compile_fused_forward(value_block, dtype_name(v), dtype_name(beta), head_dim,
-                                          store_chunk_states, store_products, delta_builds_ab)
+                                          store_chunk_states, store_products)
     kernel(q, k, v, gamma, beta, inverse, initial_state, cu_seqlens, offsets, pieces, walk_start, o, final_state,
            states, gated_inverse, scores, float(scale), int(use_initial_state))
     return (o, final_state, states if store_chunk_states else None,
