@@ -31,3 +31,22 @@ def test_ncu_top_stalls_refuses_a_page_without_stall_samples(tmp_path):
     page.write_text('"Address","Source"\n"0x10","FFMA R1, R2, R3, R4"\n')
     run = subprocess.run([sys.executable, str(TOOLS / "ncu_top_stalls.py"), str(page)], capture_output=True, text=True)
     assert run.returncode != 0 and "stall-sampling" in run.stderr
+
+
+LINES = """"Line","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)"
+"101","  tl::mbarrier_wait(delta_ready, parity);","70","60"
+"102","  acc = acc + x * w;","20","5"
+"103","}","10","0"
+"""
+
+
+def test_ncu_top_stalls_ranks_cuda_lines(tmp_path):
+    page = tmp_path / "lines.csv"
+    page.write_text(LINES)
+    out = subprocess.run([sys.executable, str(TOOLS / "ncu_top_stalls.py"), str(page), "--cuda", "--top", "2"],
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out[0] == "3 CUDA lines, 100 stall samples"
+    assert out[1].split()[:3] == ["70.0%", "70", "101"] and "mbarrier_wait" in out[1]
+    assert out[2].split()[:3] == ["20.0%", "20", "102"]
+    assert len(out) == 3   # no opcode sums for source lines
+

@@ -15,7 +15,8 @@
 #                       (FLA_CACHE_RESULTS=0): the timed run autotunes alone on the GPU.
 #   ncu                 Nsight Compute sections of one launch each of our four main kernels (NCU_SHAPE=16/64:8192)
 #   ncu-source          one launch of NCU_KERNELS (default chunk_grads) with PC sampling: the report, its SASS page
-#                       as CSV and the 40 instructions that stall most (tools/ncu_top_stalls.py)
+#                       as CSV and the 40 instructions that stall most (tools/ncu_top_stalls.py), then the same by
+#                       line of the generated CUDA (the report imports the source)
 #   tests-model         the GPU tests of the conv kernel and of qwen_hybrid/ only
 #   compare-conv        python -m flashqla.bench --compare conv (the conv kernel against torch.compile)
 #   attention           python -m benchmarks.attention_backends (SDPA's kernels and varlen_attn; ATTENTION_ARGS)
@@ -154,12 +155,16 @@ print(first_call_s(implementations([])["ours"], make_inputs(heads, lens)))' "${N
         # One launch of NCU_KERNELS (default the chunk gradients) with PC sampling, kept as $OUT/ncu-source.ncu-rep,
         # then its per-SASS-instruction page as CSV and the 40 instructions with the most stall samples.
         step ncu-source-collect 150 60 ncu --clock-control none -k "regex:${NCU_KERNELS:-chunk_grads}" -c 1 \
-            --section WarpStateStats --section SourceCounters --section InstructionStats -f -o "$OUT/ncu-source" \
+            --section WarpStateStats --section SourceCounters --section InstructionStats --import-source yes \
+            -f -o "$OUT/ncu-source" \
             "$PYTHON" -c 'import sys, torch; from flashqla.bench import make_inputs, implementations, first_call_s
 heads, lens = sys.argv[1].split(":"); heads = tuple(map(int, heads.split("/"))); lens = list(map(int, lens.split("+")))
 print(first_call_s(implementations([])["ours"], make_inputs(heads, lens)))' "${NCU_SHAPE:-16/64:8192}"
         step ncu-source-page 60 20 bash -c 'ncu -i "$0/ncu-source.ncu-rep" --page source --print-source sass --csv \
             > "$0/ncu-source.csv" && '"$PYTHON"' tools/ncu_top_stalls.py "$0/ncu-source.csv"' "$OUT"
+        # the same samples by line of the generated CUDA: which role's loop each wait is in
+        step ncu-source-lines 60 20 bash -c 'ncu -i "$0/ncu-source.ncu-rep" --page source --print-source cuda --csv \
+            > "$0/ncu-source-cuda.csv" && '"$PYTHON"' tools/ncu_top_stalls.py --cuda "$0/ncu-source-cuda.csv"' "$OUT"
         ;;
     tests-model)
         # the conv kernel, the loss's compiled passes and the model's GPU tests (a quicker subset of tests)
