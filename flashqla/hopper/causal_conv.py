@@ -155,6 +155,18 @@ def conv_backward_program(x_dtype: str, kernel_size: int, block_tokens: int = BA
 CANDIDATES = ((2, 4), (4, 2), (4, 4), (8, 2))  # (lanes, depth) that `bench --compare conv` times
 
 
+@T.macro
+def _window_before(window, loaded, x, first, group, kernel_size, lanes):
+    """window[v, j] <- x[first - (K-1) + j] of this thread's lanes for j < K-1, zero before token 0."""
+    for j in T.unroll(kernel_size - 1, explicit=True):
+        token = first - (kernel_size - 1) + j
+        for v in T.vectorized(lanes):
+            loaded[v] = x[T.max(token, 0), group, v]
+        for v in T.unroll(lanes, explicit=True):
+            window[v, j] = T.if_then_else(token >= 0, T.cast(loaded[v], "float32"), 0.0)
+
+
+
 def conv_forward_lanes_program(x_dtype: str, kernel_size: int, lanes: int, depth: int,
                                block_tokens: int = FORWARD_TOKENS):
     num_tokens = T.dynamic("num_tokens")
@@ -187,12 +199,7 @@ def conv_forward_lanes_program(x_dtype: str, kernel_size: int, lanes: int, depth
                 for v in T.unroll(V, explicit=True):
                     for s in T.unroll(K, explicit=True):
                         taps[v, s] = weight[group, v, s]
-                for j in T.unroll(K - 1, explicit=True):
-                    token = first - (K - 1) + j
-                    for v in T.vectorized(V):
-                        loaded[v] = x[T.max(token, 0), group, v]
-                    for v in T.unroll(V, explicit=True):
-                        window[v, j] = T.if_then_else(token >= 0, T.cast(loaded[v], f32), 0.0)
+                _window_before(window, loaded, x, first, group, K, V)
                 for p in T.unroll(P, explicit=True):
                     for v in T.vectorized(V):
                         ring[p, v] = x[T.min(first + p, last), group, v]
@@ -269,12 +276,7 @@ def conv_backward_lanes_program(x_dtype: str, kernel_size: int, lanes: int, dept
                         upstream[v, s] = 0.0
                 for s in T.unroll(K, explicit=True):
                     upstream_position[s] = 0
-                for j in T.unroll(K - 1, explicit=True):
-                    token = first - (K - 1) + j
-                    for v in T.vectorized(V):
-                        loaded[v] = x[T.max(token, 0), group, v]
-                    for v in T.unroll(V, explicit=True):
-                        window[v, j] = T.if_then_else(token >= 0, T.cast(loaded[v], f32), 0.0)
+                _window_before(window, loaded, x, first, group, K, V)
                 for p in T.unroll(P, explicit=True):
                     for v in T.vectorized(V):
                         ring_x[p, v] = x[T.min(first + p, last), group, v]
