@@ -124,6 +124,48 @@ def test_hard_inputs_no_worse_than_fla(case):
     assert not failures, "\n".join(failures + [table])
 
 
+# Sequences this short are one piece of one walk in any plan, and every product of the kernels reduces
+# over K or over the chunk in the same order whatever V block the plan picks: alone or packed, their
+# outputs are the same bits unless something of another sequence reaches them.
+ALONE_MAX_TOKENS = 129
+
+
+def sequence_alone(inputs, do, dht, seq_lens, index):
+    """The inputs, cotangents and output slices of sequence `index` of a packed case, as a batch of its own."""
+    start = sum(seq_lens[:index])
+    end = start + seq_lens[index]
+    alone = {name: (value[:, start:end] if name in ("q", "k", "v", "g", "beta") else value)
+             for name, value in inputs.items()}
+    alone["cu_seqlens"] = torch.tensor([0, end - start], device=inputs["cu_seqlens"].device, dtype=torch.int32)
+    if inputs["initial_state"] is not None:
+        alone["initial_state"] = inputs["initial_state"][index:index + 1]
+    return alone, do[:, start:end], dht[index:index + 1], (start, end)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("case", [CASES[0], CASES[3]], ids=[CASES[0].name, CASES[3].name])
+def test_short_sequences_alone_are_bitwise_their_slice_of_the_pack(case):
+    """Each sequence of at most ALONE_MAX_TOKENS tokens of a ragged pack (the 1-, 63-, 64- and 129-token
+    ones, where the worst per-slice dg and dbeta against float64 are), run through the op on its own,
+    gives bitwise its slice of the packed run's outputs and gradients: nothing of a neighbour in the
+    pack (rows past a partial chunk's end, the next sequence's tiles, its state) reaches it."""
+    inputs, do, dht = make_hard_inputs(case)
+    packed = tilelang_outputs(inputs, do, dht)
+    differences = []
+    for index, length in enumerate(case.seq_lens):
+        if not 0 < length <= ALONE_MAX_TOKENS:
+            continue
+        alone_inputs, alone_do, alone_dht, (start, end) = sequence_alone(inputs, do, dht, case.seq_lens, index)
+        alone = tilelang_outputs(alone_inputs, alone_do, alone_dht)
+        for name, value in alone.items():
+            part = packed[name][index:index + 1] if name in ("final_state", "dh0") else packed[name][:, start:end]
+            if not torch.equal(value, part):
+                gap = (value.double() - part.double()).abs().max().item()
+                differences.append(f"sequence {index} ({length} tokens) {name}: max |alone - packed| {gap:.3e}")
+    assert not differences, "\n".join(differences)
+
+
 # --- CPU: the generator and the checks themselves --------------------------------------------------
 
 def test_hard_inputs_have_the_promised_properties():
@@ -272,3 +314,15 @@ def test_fla_ratio_and_determinism_checks_fail_when_they_should():
     assert not differing_outputs(first, second)
     second["o"][0, 0, 0, 0] = torch.nextafter(second["o"][0, 0, 0, 0], torch.tensor(float("inf"), dtype=torch.float64))
     assert differing_outputs(first, second) == ["o"]
+
+
+def test_sequence_alone_slices_inputs_states_and_cotangents():
+    case = HardCase("alone", (2, 4), (3, 0, 5), True, seed=1)
+    inputs, do, dht = make_hard_inputs(case, device="cpu")
+    alone, alone_do, alone_dht, (start, end) = sequence_alone(inputs, do, dht, case.seq_lens, 2)
+    assert (start, end) == (3, 8)
+    assert torch.equal(alone["q"], inputs["q"][:, 3:8]) and torch.equal(alone["beta"], inputs["beta"][:, 3:8])
+    assert alone["cu_seqlens"].tolist() == [0, 5]
+    assert torch.equal(alone["initial_state"], inputs["initial_state"][2:3]) and torch.equal(alone_dht, dht[2:3])
+    assert torch.equal(alone_do, do[:, 3:8]) and alone["use_qk_l2norm_in_kernel"] == inputs["use_qk_l2norm_in_kernel"]
+
