@@ -1,7 +1,10 @@
-"""The device tools that run without a GPU: tools/ncu_top_stalls.py on a made-up Nsight Compute source page."""
+"""The tools that run without a GPU: tools/ncu_top_stalls.py on made-up Nsight Compute source pages, and
+tools/rounding_emulation.py on a small hard case."""
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
 
@@ -50,3 +53,19 @@ def test_ncu_top_stalls_ranks_cuda_lines(tmp_path):
     assert out[2].split()[:3] == ["20.0%", "20", "102"]
     assert len(out) == 3   # no opcode sums for source lines
 
+
+
+def test_rounding_emulation_is_the_reference_without_rounding_and_moves_with_it():
+    sys.path.insert(0, str(TOOLS))
+    import rounding_emulation
+
+    from tests.flashqla.hopper_grid import HardCase
+
+    case = HardCase("tools", (2, 4), (70, 1, 0, 5), True, seed=1)
+    exact = rounding_emulation.errors_for(case, set())
+    assert max(err.tensor for err in exact.values()) < 1e-12   # the kernels' arrangement, float64
+    rounded = rounding_emulation.errors_for(case, {"state", "grad_delta"})
+    assert 1e-4 < rounded["o"].tensor < 1e-2 and 1e-4 < rounded["dbeta"].tensor < 1e-2
+    assert rounded["dv"].tensor > 0 and rounded["o"].tensor > exact["o"].tensor
+    with pytest.raises(ValueError, match=r"points \['states'\]"):
+        rounding_emulation.emulated_op({"states"})
