@@ -3,7 +3,7 @@
     python tools/rounding_emulation.py CASE[,CASE...] POINTS [POINTS ...]
 
 CASE names a case of tests/flashqla/test_hopper_hard_inputs.py; each POINTS is a '+'-joined set of
-where the kernels hold a bf16 value (forward: state, w, delta, ab, p, qk) or a bf16 gradient
+where the kernels hold a bf16 value (forward: state, w, delta, a_tilde, ab, p, qk) or a bf16 gradient
 (grad_state, grad_new_state, grad_w, grad_delta), or '' for none. For each case and set the chunked
 form runs in float64 on the CPU in the kernels' arrangement (W = V - D (K S0), Delta = Ab W, as in
 fused_forward.py), with those values rounded to bf16 (the gradient passes straight through a forward
@@ -26,7 +26,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "flashqla")]
 from flashqla import reference  # noqa: E402
 from hopper_grid import compare_outputs, make_hard_inputs, op_outputs  # noqa: E402
 
-FORWARD_POINTS = ("state", "w", "delta", "ab", "p", "qk")
+FORWARD_POINTS = ("state", "w", "delta", "a_tilde", "ab", "p", "qk")
 GRADIENT_POINTS = ("grad_state", "grad_new_state", "grad_w", "grad_delta")
 
 
@@ -73,7 +73,10 @@ def emulated_op(points: set[str]):
 
         q_c, k_c = chunked(reference._expand_groups(q, num_v_heads)), chunked(reference._expand_groups(k, num_v_heads))
         v_c, g_c, beta_c = chunked(v), chunked(g), chunked(beta)
-        gamma, _, gated_inverse, scores = reference._chunk_matrices(q_c, k_c, g_c, beta_c)
+        gamma, inverse, gated_inverse, scores = reference._chunk_matrices(q_c, k_c, g_c, beta_c)
+        if "a_tilde" in points:  # Ab from the bf16 A~ the inverse kernel stores
+            stored = at("a_tilde", inverse)
+            gated_inverse = torch.where(inverse != 0, gated_inverse * stored / torch.where(inverse != 0, inverse, 1), 0)
         gated_inverse, scores = at("ab", gated_inverse), at("p", scores)
         d = gamma.exp()[..., None]
         tail = ((gamma[..., -1:] - gamma).exp()[..., None] * k_c).transpose(-1, -2)
