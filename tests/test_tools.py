@@ -62,10 +62,13 @@ def test_rounding_emulation_is_the_reference_without_rounding_and_moves_with_it(
     from tests.flashqla.hopper_grid import HardCase
 
     case = HardCase("tools", (2, 4), (70, 1, 0, 5), True, seed=1)
-    exact = rounding_emulation.errors_for(case, set())
+    exact, rounded, narrower = rounding_emulation.errors_for(
+        case, [set(), {"state", "grad_delta"}, {"state:tf32", "grad_delta:tf32"}])
     assert max(err.tensor for err in exact.values()) < 1e-12   # the kernels' arrangement, float64
-    rounded = rounding_emulation.errors_for(case, {"state", "grad_delta"})
     assert 1e-4 < rounded["o"].tensor < 1e-2 and 1e-4 < rounded["dbeta"].tensor < 1e-2
     assert rounded["dv"].tensor > 0 and rounded["o"].tensor > exact["o"].tensor
+    assert 0 < narrower["o"].tensor < rounded["o"].tensor / 4  # tf32 keeps 3 more bits than bf16
     with pytest.raises(ValueError, match=r"points \['states'\]"):
         rounding_emulation.emulated_op({"states"})
+    with pytest.raises(ValueError, match=r"points \['state'\]: .* with ':tf32'"):
+        rounding_emulation.emulated_op({"state:fp8"})
