@@ -166,7 +166,6 @@ def _window_before(window, loaded, x, first, group, kernel_size, lanes):
             window[v, j] = T.if_then_else(token >= 0, T.cast(loaded[v], "float32"), 0.0)
 
 
-
 def conv_forward_lanes_program(x_dtype: str, kernel_size: int, lanes: int, depth: int,
                                block_tokens: int = FORWARD_TOKENS):
     num_tokens = T.dynamic("num_tokens")
