@@ -258,7 +258,7 @@ def conv_backward_lanes_program(x_dtype: str, kernel_size: int, lanes: int, dept
             upstream_position = T.alloc_local((K,), "int32")  # position[t - (K-1) .. t]
             dw = T.alloc_local((V, K), f32)
             dpre = T.alloc_local((V,), f32)
-            loaded = T.alloc_local((V,), x_dtype)
+            loaded = T.alloc_local((V,), x_dtype)  # the window's start
             ring_x = T.alloc_local((P, V), x_dtype)  # x, dy and position of the tokens t .. t + P - 1
             ring_dy = T.alloc_local((P, V), x_dtype)
             ring_position = T.alloc_local((P,), "int32")
@@ -286,11 +286,11 @@ def conv_backward_lanes_program(x_dtype: str, kernel_size: int, lanes: int, dept
                     for p in T.unroll(P, explicit=True):
                         i = i0 * P + p
                         t = first + i
+                        # past the last token the window is neither read nor shifted, and dpre is 0
                         for v in T.unroll(V, explicit=True):
-                            loaded[v] = ring_x[p, v]
-                            out[v] = ring_dy[p, v]
-                            dpre[v] = 0.0
-                        here = T.if_then_else(i < steps, T.if_then_else(t < num_tokens, ring_position[p], 0), 0)
+                            window[v, K - 1] = T.cast(ring_x[p, v], f32)
+                            dpre[v] = T.if_then_else(t < num_tokens, T.cast(ring_dy[p, v], f32), 0.0)
+                        here = T.if_then_else(t < num_tokens, ring_position[p], 0)
                         for v in T.vectorized(V):
                             ring_x[p, v] = x[T.min(t + P, last), group, v]
                         for v in T.vectorized(V):
@@ -299,12 +299,11 @@ def conv_backward_lanes_program(x_dtype: str, kernel_size: int, lanes: int, dept
                         if i < steps:
                             if t < num_tokens:
                                 for v in T.unroll(V, explicit=True):
-                                    window[v, K - 1] = T.cast(loaded[v], f32)
                                     pre = 0.0
                                     for s in T.unroll(K, explicit=True):
                                         pre = pre + T.if_then_else(here >= s, window[v, K - 1 - s] * taps[v, K - 1 - s], 0.0)
                                     sig = 1.0 / (1.0 + T.exp(-pre))
-                                    dpre[v] = T.cast(out[v], f32) * sig * (1.0 + pre * (1.0 - sig))
+                                    dpre[v] = dpre[v] * sig * (1.0 + pre * (1.0 - sig))
                                     if i < block_tokens:
                                         for s in T.unroll(K, explicit=True):
                                             dw[v, K - 1 - s] = dw[v, K - 1 - s] + T.if_then_else(

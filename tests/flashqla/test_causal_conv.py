@@ -115,4 +115,3 @@ def test_bad_arguments_are_named(x_shape, weight_shape, position_shape, backend,
     position = None if position_shape is None else torch.zeros(position_shape, dtype=torch.long)
     with pytest.raises(ValueError, match=message):
         causal_conv1d_silu(torch.zeros(x_shape), torch.zeros(weight_shape), position, backend=backend)
-

@@ -94,19 +94,21 @@ def test_candidate_is_bitwise_the_kernel_on_the_host(lengths, channels, candidat
     blocks = math.ceil(tokens / causal_conv.BACKWARD_TOKENS)
     forward_grid = math.ceil(tokens / causal_conv.FORWARD_TOKENS)
     outputs = {}
-    for name, forward, backward, width in (
+    # the kernel takes one channel a thread (its width argument `channels`), the candidate `lanes` (`groups`)
+    for name, forward, backward, width_name, width in (
             ("kernel", causal_conv.compile_conv_forward("float32"), causal_conv.compile_conv_backward("float32"),
-             {"channels": channels}),
+             "channels", channels),
             ("candidate", causal_conv.compile_conv_forward_lanes("float32", 4, lanes, depth),
-             causal_conv.compile_conv_backward_lanes("float32", 4, lanes, depth), {"groups": groups})):
+             causal_conv.compile_conv_backward_lanes("float32", 4, lanes, depth), "groups", groups)):
         y, dx = torch.full_like(x, math.nan), torch.full_like(x, math.nan)
         dw_partial = torch.full((blocks, channels, 4), math.nan)
-        columns = math.ceil(next(iter(width.values())) / 128)
+        columns = math.ceil(width / causal_conv._THREADS)
         HostKernel(forward.get_kernel_source())(
-            (columns, forward_grid), x=x, weight=weight, position=position, y=y, num_tokens=tokens, **width)
+            (columns, forward_grid), x=x, weight=weight, position=position, y=y, num_tokens=tokens,
+            **{width_name: width})
         HostKernel(backward.get_kernel_source())(
             (columns, blocks), x=x, weight=weight, position=position, dy=dy, dx=dx, dw_partial=dw_partial,
-            num_blocks=blocks, num_tokens=tokens, **width)
+            num_blocks=blocks, num_tokens=tokens, **{width_name: width})
         outputs[name] = {"y": y, "dx": dx, "dw_partial": dw_partial}
     for label in ("y", "dx", "dw_partial"):
         assert torch.equal(outputs["candidate"][label], outputs["kernel"][label]), label
@@ -116,4 +118,3 @@ def test_candidate_is_bitwise_the_kernel_on_the_host(lengths, channels, candidat
     for ours, truth in ((outputs["kernel"]["y"], exact[0]), (outputs["kernel"]["dx"], leaf.grad),
                         (outputs["kernel"]["dw_partial"].sum(0), taps.grad.view(channels, 4))):
         assert ((ours.double() - truth).norm() / truth.norm()).item() < 1e-6
-

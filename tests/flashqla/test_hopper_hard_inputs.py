@@ -325,4 +325,3 @@ def test_sequence_alone_slices_inputs_states_and_cotangents():
     assert alone["cu_seqlens"].tolist() == [0, 5]
     assert torch.equal(alone["initial_state"], inputs["initial_state"][2:3]) and torch.equal(alone_dht, dht[2:3])
     assert torch.equal(alone_do, do[:, 3:8]) and alone["use_qk_l2norm_in_kernel"] == inputs["use_qk_l2norm_in_kernel"]
-
