@@ -282,16 +282,14 @@ def main(argv=None) -> None:
             compile_ours([("1/16 4096", (1, 16), [4096])])
             compile_checks()
             compile_walks()
-            from flashqla.hopper.causal_conv import (CANDIDATES, compile_conv_backward, compile_conv_backward_lanes,
-                                                     compile_conv_forward, compile_conv_forward_lanes)
+            from flashqla.hopper.causal_conv import compile_conv_backward, compile_conv_forward
             from flashqla.hopper.l2norm import compile_l2norm_backward, compile_l2norm_forward
 
-            for conv_dtype in ("float16", "float32"):  # tests/flashqla/test_causal_conv.py (bfloat16: the checks)
-                compile_conv_forward(conv_dtype)
-                compile_conv_backward(conv_dtype)
-            for candidate in CANDIDATES:  # bench --compare conv and their GPU test (bfloat16)
-                compile_conv_forward_lanes("bfloat16", 4, *candidate)
-                compile_conv_backward_lanes("bfloat16", 4, *candidate)
+            # tests/flashqla/test_causal_conv.py: every dtype at 4, 2 and 1 lanes (6144, 130 and 129 channels)
+            for conv_dtype in ("bfloat16", "float16", "float32"):
+                for lanes in (4, 2, 1):
+                    compile_conv_forward(conv_dtype, lanes=lanes)
+                    compile_conv_backward(conv_dtype, lanes=lanes)
             compile_l2norm_forward("float16")  # tests/flashqla/test_l2norm.py, the hard inputs' fp16 case
             compile_l2norm_backward("float16")
         if "hard" in sets:

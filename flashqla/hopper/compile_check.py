@@ -12,8 +12,7 @@ from pathlib import Path
 
 from flashqla.hopper.backward_chunk_grads import compile_chunk_grads
 from flashqla.hopper.backward_state_grads import compile_state_grads
-from flashqla.hopper.causal_conv import (compile_conv_backward, compile_conv_backward_lanes, compile_conv_forward,
-                                         compile_conv_forward_lanes)
+from flashqla.hopper.causal_conv import compile_conv_backward, compile_conv_forward
 from flashqla.hopper.chunk_states import compile_chunk_states
 from flashqla.hopper.cumsum import compile_cumsum
 from flashqla.hopper.fused_forward import compile_fused_forward
@@ -33,8 +32,8 @@ COMPILE_CHECKS = [
     ("backward_chunk_grads_l2norm", lambda: compile_chunk_grads(l2norm_backward=True)),
     ("causal_conv_forward", lambda: compile_conv_forward("bfloat16")),
     ("causal_conv_backward", lambda: compile_conv_backward("bfloat16")),
-    ("causal_conv_forward_candidate", lambda: compile_conv_forward_lanes("bfloat16", 4, 4, 4)),
-    ("causal_conv_backward_candidate", lambda: compile_conv_backward_lanes("bfloat16", 4, 4, 4)),
+    ("causal_conv_forward_one_lane", lambda: compile_conv_forward("bfloat16", lanes=1)),  # odd widths
+    ("causal_conv_backward_one_lane", lambda: compile_conv_backward("bfloat16", lanes=1)),
     ("walk_starts", lambda: compile_walk_bounds(False)),
     ("walk_ends", lambda: compile_walk_bounds(True)),
     ("l2norm_forward", lambda: compile_l2norm_forward("bfloat16")),

@@ -1,10 +1,16 @@
 """The GDN layer's causal conv + SiLU (flashqla/conv.py): the Hopper kernel against float64 autograd of
-the torch definition, on packed ragged documents, and the op's argument checks."""
+the torch definition, on packed ragged documents, at every vector width it picks (4, 2 and 1 channels a
+thread); on the CPU the float32 kernels' generated CUDA run on the host (tests/flashqla/host_kernel.py);
+and the op's argument checks."""
+import math
+import shutil
+
 import pytest
 import torch
 
 from flashqla.conv import causal_conv1d_silu, causal_conv1d_silu_torch
 from tests.flashqla.hopper_grid import poison_allocator
+from tests.flashqla.host_kernel import HostKernel, host_compiler
 
 # empty and one-token documents, documents shorter than the kernel, a block boundary (256 tokens)
 # inside a document, and one longer than a token block of the backward
@@ -45,8 +51,9 @@ def _worst_per_document(ours, truth, lengths):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype, bound", [(torch.bfloat16, 8e-3), (torch.float16, 2e-3), (torch.float32, 1e-5)])
-@pytest.mark.parametrize("lengths, batch, channels", [(RAGGED, 1, 6144), ([2047], 3, 200), ([5000], 1, 130)],
-                         ids=["ragged_6144", "batch3_200", "long_130"])
+@pytest.mark.parametrize("lengths, batch, channels",
+                         [(RAGGED, 1, 6144), ([2047], 3, 200), ([5000], 1, 130), (RAGGED, 1, 129)],
+                         ids=["ragged_6144", "batch3_200", "long_130_two_lanes", "ragged_129_one_lane"])
 def test_kernel_matches_float64_autograd(lengths, batch, channels, dtype, bound):
     x, weight, dy = _inputs(lengths, channels, dtype, batch=batch)
     position = _positions(lengths, x.device) if batch == 1 else None
@@ -85,6 +92,69 @@ def test_documents_do_not_see_each_other_in_the_kernel():
         assert torch.equal(alone["y"], packed["y"][:, start:start + n])
         assert torch.equal(alone["dx"], packed["dx"][:, start:start + n])
         start += n
+
+
+@pytest.mark.gpu
+def test_outputs_do_not_depend_on_the_vector_width():
+    """x starting 0, 1 and 2 bf16 elements past a 16-byte boundary takes 4, 2 and 1 channels a thread
+    (causal_conv.lanes_for); y, dx and dw are bitwise the same: every channel sees the same arithmetic."""
+    from flashqla.hopper.causal_conv import lanes_for
+
+    x, weight, dy = _inputs(RAGGED, 512, torch.bfloat16, seed=5)
+    position = _positions(RAGGED, x.device)
+    runs = []
+    for offset, lanes in ((0, 4), (2, 2), (1, 1)):
+        storage = torch.empty(x.numel() + offset, dtype=x.dtype, device=x.device)
+        shifted = storage[offset:].view(x.shape)
+        shifted.copy_(x)
+        assert lanes_for(shifted.view(-1, 512)) == lanes
+        runs.append(_run(shifted, weight, position, dy, "tilelang"))
+    for name in runs[0]:
+        for other in runs[1:]:
+            assert torch.equal(runs[0][name], other[name]), name
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None or host_compiler() is None,
+                    reason="needs nvcc (TileLang's CUDA source) and a host C++ compiler")
+@pytest.mark.parametrize("lengths, channels", [(RAGGED, 1024), ([5, 0, 1], 256)], ids=["ragged_1024", "short_256"])
+def test_kernel_widths_are_bitwise_one_another_on_the_host(lengths, channels):
+    """The float32 kernels' generated CUDA at 4, 2 and 1 lanes, run thread by thread on the CPU: y, dx and
+    the per-block dw bitwise the same at every width and within float32 rounding of float64 torch. Fewer
+    channels than a CTA's threads, empty and 1-token documents, a document across the backward's blocks."""
+    pytest.importorskip("tilelang")
+    from flashqla.hopper import causal_conv
+
+    generator = torch.Generator().manual_seed(sum(lengths) + channels)
+    tokens = sum(lengths)
+    x = torch.randn(tokens, channels, generator=generator)
+    dy = torch.randn(tokens, channels, generator=generator)
+    weight = torch.randn(channels, 4, generator=generator) * 0.5
+    position = _positions(lengths, "cpu").to(torch.int32)
+    blocks = math.ceil(tokens / causal_conv.BACKWARD_TOKENS)
+    forward_grid = math.ceil(tokens / causal_conv.FORWARD_TOKENS)
+    outputs = {}
+    for lanes in (4, 2, 1):
+        groups = channels // lanes
+        y, dx = torch.full_like(x, math.nan), torch.full_like(x, math.nan)
+        dw_partial = torch.full((blocks, channels, 4), math.nan)
+        columns = math.ceil(groups / causal_conv._THREADS)
+        forward = causal_conv.compile_conv_forward("float32", 4, lanes)
+        backward = causal_conv.compile_conv_backward("float32", 4, lanes)
+        HostKernel(forward.get_kernel_source())(
+            (columns, forward_grid), x=x, weight=weight, position=position, y=y, num_tokens=tokens, groups=groups)
+        HostKernel(backward.get_kernel_source())(
+            (columns, blocks), x=x, weight=weight, position=position, dy=dy, dx=dx, dw_partial=dw_partial,
+            num_blocks=blocks, num_tokens=tokens, groups=groups)
+        outputs[lanes] = {"y": y, "dx": dx, "dw_partial": dw_partial}
+    for lanes in (2, 1):
+        for label in ("y", "dx", "dw_partial"):
+            assert torch.equal(outputs[lanes][label], outputs[4][label]), f"{label} at {lanes} lanes"
+    leaf, taps = x.double().requires_grad_(), weight.double().view(channels, 1, 4).requires_grad_()
+    exact = causal_conv1d_silu_torch(leaf[None], taps, position.long())
+    exact.backward(dy.double()[None])
+    for ours, truth in ((outputs[4]["y"], exact[0]), (outputs[4]["dx"], leaf.grad),
+                        (outputs[4]["dw_partial"].sum(0), taps.grad.view(channels, 4))):
+        assert ((ours.double() - truth).norm() / truth.norm()).item() < 1e-6
 
 
 def test_torch_path_restarts_at_documents_and_matches_float64_gradcheck():
