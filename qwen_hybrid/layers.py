@@ -33,33 +33,27 @@ from qwen_hybrid.attention import causal_attention
 from qwen_hybrid.config import QwenHybridConfig
 
 
-def recompute_in_backward(function, *args):
-    """function(*args), keeping only its inputs for the backward and recomputing the rest there.
-
-    For the elementwise chains (norms in float32, SiLU, RoPE, the conv): autograd would keep
-    every float32 intermediate alive, several times the size of the bf16 input; recomputing
-    them is a cheap memory-bound pass.
-    """
-    if torch.is_grad_enabled():
-        return checkpoint(function, *args, use_reentrant=False)
-    return function(*args)
-
-
 def fused(function):
-    """function, compiled by torch.compile when its first argument is a CUDA tensor: one fused
-    kernel per chain instead of one pass per elementwise op. Shapes are static at first (a row
-    length known at compile time makes inductor's reductions and index arithmetic much cheaper
-    than symbolic ones: docs/performance.md), and a dim that changes between calls turns
-    symbolic on its first change (torch's automatic dynamic shapes), so a run compiles each
-    chain once or twice. Eager
-    elsewhere and for float64 (torch 2.11's inductor emits Triton reductions that fail to compile
-    for it, and float64 runs are reference checks); torch's own TORCH_COMPILE_DISABLE=1 turns
-    compilation off everywhere."""
+    """function as one fused kernel per chain that keeps only its inputs for the backward.
+
+    On CUDA (not float64): torch.compile. Its partitioner saves the chain's inputs (and row
+    statistics) and recomputes the rest inside the backward's fused kernel, which keeps what
+    `checkpoint` around it would keep without a second forward call in the backward (measured on
+    the norms and SwiGLU: the same saved bytes, docs/performance.md). Shapes are static at first (a
+    row length known at compile time makes inductor's reductions and index arithmetic much cheaper
+    than symbolic ones), and a dim that changes between calls turns symbolic on its first change
+    (torch's automatic dynamic shapes), so a run compiles each chain once or twice.
+    Elsewhere, for float64 (torch 2.11's inductor emits Triton reductions that fail to compile for
+    it; float64 runs are reference checks) and with compilation off (torch's own
+    TORCH_COMPILE_DISABLE=1): eager under `checkpoint`, since eager autograd would keep every
+    float32 intermediate alive, several times the size of the bf16 input."""
     compiled = torch.compile(function)
 
     def call(*args):
-        if args[0].is_cuda and args[0].dtype != torch.float64:
+        if args[0].is_cuda and args[0].dtype != torch.float64 and not torch._dynamo.config.disable:
             return compiled(*args)
+        if torch.is_grad_enabled():
+            return checkpoint(function, *args, use_reentrant=False)
         return function(*args)
 
     call.__name__ = function.__name__
@@ -102,7 +96,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return recompute_in_backward(_fused_rms_norm, x, self.weight, self.eps)
+        return _fused_rms_norm(x, self.weight, self.eps)
 
 
 class GatedRMSNorm(nn.Module):
@@ -114,7 +108,7 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return recompute_in_backward(_fused_gated_rms_norm, x, gate, self.weight, self.eps)
+        return _fused_gated_rms_norm(x, gate, self.weight, self.eps)
 
 
 _fused_conv1d_silu = fused(causal_conv1d_silu_torch)
@@ -178,7 +172,7 @@ class CausalConv1d(nn.Module):
             raise ValueError(f"x has {x.shape[-1]} channels but the conv weight rows give {weight.shape[0]}")
         if self.backend == "tilelang" or (self.backend == "auto" and kernel_unavailable_reason(x) is None):
             return causal_conv1d_silu(x, weight, position_in_doc, backend="tilelang")
-        return recompute_in_backward(_fused_conv1d_silu, x, weight, position_in_doc)
+        return _fused_conv1d_silu(x, weight, position_in_doc)
 
 
 class GatedDeltaRule(nn.Module):
@@ -380,9 +374,9 @@ class GatedAttention(nn.Module):
         batch, length, _ = x.shape
         # head counts come from the projections: fewer than the config's under tensor parallelism
         query, gate = self.q_proj(x).view(batch, length, -1, 2 * self.head_dim).chunk(2, dim=-1)
-        q = recompute_in_backward(_fused_norm_rotary, query, self.q_norm.weight, cos, sin, self.q_norm.eps)
+        q = _fused_norm_rotary(query, self.q_norm.weight, cos, sin, self.q_norm.eps)
         k = self.k_proj(x).view(batch, length, -1, self.head_dim)
-        k = recompute_in_backward(_fused_norm_rotary, k, self.k_norm.weight, cos, sin, self.k_norm.eps)
+        k = _fused_norm_rotary(k, self.k_norm.weight, cos, sin, self.k_norm.eps)
         v = self.v_proj(x).view(batch, length, -1, self.head_dim)
         if self.head_exchange is not None:
             q, k, v = self._exchange_to_heads(q, k, v)
@@ -421,7 +415,7 @@ class SwiGLUMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(recompute_in_backward(_fused_swiglu, self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(_fused_swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
