@@ -1,5 +1,6 @@
-"""The tools that run without a GPU: tools/ncu_top_stalls.py on made-up Nsight Compute source pages, and
-tools/rounding_emulation.py on a small hard case."""
+"""The tools that run without a GPU: tools/ncu_top_stalls.py on made-up Nsight Compute source pages,
+tools/restore_kernel_sources.py on a made-up kernel cache, and tools/rounding_emulation.py on a small
+hard case."""
 import subprocess
 import sys
 from pathlib import Path
@@ -53,6 +54,25 @@ def test_ncu_top_stalls_ranks_cuda_lines(tmp_path):
     assert out[2].split()[:3] == ["20.0%", "20", "102"]
     assert len(out) == 3   # no opcode sums for source lines
 
+
+def test_restore_kernel_sources_writes_each_source_where_its_binary_was_compiled(tmp_path):
+    import uuid
+
+    compile_dir = Path(f"/tmp/tmp{uuid.uuid4().hex[:8]}")
+    entry = tmp_path / "0.1.15" / "linux-x86_64" / "kernels" / "abc123"
+    entry.mkdir(parents=True)
+    (entry / "executable.so").write_bytes(b"\x7fELF\x00" + str(compile_dir).encode() + b"\x00tvm_kernels.cu\x00")
+    (entry / "device_kernel.cu").write_text("__global__ void k() {}\n")
+    (tmp_path / "0.1.15" / "linux-x86_64" / "kernels" / "no_source").mkdir()  # skipped, not an error
+    try:
+        out = subprocess.run([sys.executable, str(TOOLS / "restore_kernel_sources.py"), str(tmp_path)],
+                             capture_output=True, text=True, check=True).stdout
+        assert out.startswith("1 kernel sources restored")
+        assert (compile_dir / "tvm_kernels.cu").read_text() == "__global__ void k() {}\n"
+    finally:
+        (compile_dir / "tvm_kernels.cu").unlink(missing_ok=True)
+        if compile_dir.exists():
+            compile_dir.rmdir()
 
 
 def test_rounding_emulation_is_the_reference_without_rounding_and_moves_with_it():

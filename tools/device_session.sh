@@ -154,6 +154,7 @@ print(first_call_s(implementations([])["ours"], make_inputs(heads, lens)))' "${N
     ncu-source)
         # One launch of NCU_KERNELS (default the chunk gradients) with PC sampling, kept as $OUT/ncu-source.ncu-rep,
         # then its per-SASS-instruction page as CSV and the 40 instructions with the most stall samples.
+        "$PYTHON" tools/restore_kernel_sources.py  # the cached kernels' sources where their line tables point
         step ncu-source-collect 150 60 ncu --clock-control none -k "regex:${NCU_KERNELS:-chunk_grads}" -c 1 \
             --section WarpStateStats --section SourceCounters --section InstructionStats --import-source yes \
             -f -o "$OUT/ncu-source" \
