@@ -354,8 +354,12 @@ def compare_keep_forward(rep_ms: int):
 def compare_conv(rep_ms: int):
     """The GDN layer's causal conv + SiLU, forward + backward, at the 0.8B model's layer width (6144
     channels): torch.compile of the torch definition (what the model ran before the kernel) against
-    the TileLang kernel; one document, and eight packed."""
+    the TileLang kernel; one document, and eight packed. Then the kernel's backward alone with its
+    256-token blocks against 128 and 64 (at 8192 tokens the 256-token blocks give 384 CTAs, under three
+    an SM); raises where a block size changes dx or dw by more than float32 rounding."""
     from flashqla.conv import causal_conv1d_silu, causal_conv1d_silu_torch
+    from flashqla.hopper.causal_conv import BACKWARD_TOKENS, conv_backward
+    from flashqla.testing import relative_error
 
     compiled = torch.compile(causal_conv1d_silu_torch, dynamic=True)
     for tokens, docs in ((8192, 1), (32768, 1), (32768, 8), (131072, 1)):
@@ -370,8 +374,23 @@ def compare_conv(rep_ms: int):
 
         variants = {"torch.compile": lambda: compiled(x, weight, position),
                     "kernel": lambda: causal_conv1d_silu(x, weight, position, backend="tilelang")}
-        yield (f"1x{tokens} {docs} doc{'s' if docs > 1 else ''}",
+        label = f"1x{tokens} {docs} doc{'s' if docs > 1 else ''}"
+        yield (label,
                {name: _median_ms(lambda: step(run), rep_ms, grad_to_none=[x, weight]) for name, run in variants.items()})
+
+        flat, taps, dy_flat = x.detach().view(tokens, -1), weight.detach().view(6144, -1), dy.view(tokens, -1)
+        position32 = position.to(torch.int32)
+        reference = conv_backward(flat, taps, position32, dy_flat)
+        blocks = {}
+        for block_tokens in (BACKWARD_TOKENS, 128, 64):
+            for name, a, b in zip(("dx", "dw"), reference, conv_backward(flat, taps, position32, dy_flat, block_tokens)):
+                # dx is the same sum at any block; dw's partial sums regroup (float32)
+                bound = 0.0 if name == "dx" else 1e-6
+                if not float(relative_error(b, a)) <= bound:  # also catches NaN
+                    raise AssertionError(f"conv backward, {block_tokens}-token blocks: {name} moved from the kernel's")
+            blocks[f"backward, {block_tokens}-token blocks"] = _median_ms(
+                functools.partial(conv_backward, flat, taps, position32, dy_flat, block_tokens), rep_ms)
+        yield f"{label}, backward", blocks
 
 
 def _normalised_chunk_gradient_arguments(heads, seq_lens):

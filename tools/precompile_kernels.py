@@ -297,6 +297,10 @@ def main(argv=None) -> None:
                 compile_ours([(f"hard {heads[0]}/{heads[1]} {lens}", heads, lens)], with_initial_state=with_h0)
         if "compare" in sets:
             compile_ours([("16/16 1x131072", (16, 16), [131072])])
+            from flashqla.hopper.causal_conv import compile_conv_backward
+
+            for block_tokens in (128, 64):  # bench --compare conv: the backward's shorter token blocks
+                compile_conv_backward("bfloat16", 4, 4, block_tokens)
     if not args.skip_fla:
         compile_fla_tilelang(sorted({heads for _, heads, _ in shapes + model_shapes}))
     if not args.skip_flashqla:

@@ -220,8 +220,9 @@ def compile_conv_forward(x_dtype: str = "bfloat16", kernel_size: int = 4, lanes:
 
 
 @functools.lru_cache(maxsize=None)
-def compile_conv_backward(x_dtype: str = "bfloat16", kernel_size: int = 4, lanes: int = MAX_LANES):
-    return compile_for_hopper(conv_backward_program(x_dtype, kernel_size, lanes))
+def compile_conv_backward(x_dtype: str = "bfloat16", kernel_size: int = 4, lanes: int = MAX_LANES,
+                          block_tokens: int = BACKWARD_TOKENS):
+    return compile_for_hopper(conv_backward_program(x_dtype, kernel_size, lanes, block_tokens=block_tokens))
 
 
 def lanes_for(*tensors: torch.Tensor) -> int:
@@ -245,15 +246,16 @@ def conv_forward(x: torch.Tensor, weight: torch.Tensor, position: torch.Tensor) 
     return y
 
 
-def conv_backward(x, weight, position, dy) -> tuple[torch.Tensor, torch.Tensor]:
-    """dx [N, C] (x's dtype) and dw [C, K] float32 for the forward above."""
+def conv_backward(x, weight, position, dy, block_tokens: int = BACKWARD_TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
+    """dx [N, C] (x's dtype) and dw [C, K] float32 for the forward above. block_tokens: the tokens a
+    thread walks (`bench --compare conv` times shorter blocks, which give short sequences more CTAs)."""
     dx = torch.empty_like(x)
-    num_blocks = -(-x.shape[0] // BACKWARD_TOKENS)
+    num_blocks = -(-x.shape[0] // block_tokens)
     dw_partial = torch.empty(num_blocks, *weight.shape, dtype=torch.float32, device=x.device)
     if x.numel():
         lanes = lanes_for(x, dy, dx)
         groups = x.shape[1] // lanes
-        compile_conv_backward(dtype_name(x), weight.shape[1], lanes)(
+        compile_conv_backward(dtype_name(x), weight.shape[1], lanes, block_tokens)(
             x.view(-1, groups, lanes), weight.view(groups, lanes, -1), position, dy.view(-1, groups, lanes),
             dx.view(-1, groups, lanes), dw_partial.view(num_blocks, groups, lanes, -1))
     return dx, dw_partial.sum(0)

@@ -120,7 +120,8 @@ def test_outputs_do_not_depend_on_the_vector_width():
 def test_kernel_widths_are_bitwise_one_another_on_the_host(lengths, channels):
     """The float32 kernels' generated CUDA at 4, 2 and 1 lanes, run thread by thread on the CPU: y, dx and
     the per-block dw bitwise the same at every width and within float32 rounding of float64 torch. Fewer
-    channels than a CTA's threads, empty and 1-token documents, a document across the backward's blocks."""
+    channels than a CTA's threads, empty and 1-token documents, a document across the backward's blocks;
+    the backward's 64-token blocks give the same dx."""
     pytest.importorskip("tilelang")
     from flashqla.hopper import causal_conv
 
@@ -149,6 +150,15 @@ def test_kernel_widths_are_bitwise_one_another_on_the_host(lengths, channels):
     for lanes in (2, 1):
         for label in ("y", "dx", "dw_partial"):
             assert torch.equal(outputs[lanes][label], outputs[4][label]), f"{label} at {lanes} lanes"
+    # shorter token blocks in the backward (bench --compare conv): the same dx, dw regrouped
+    short_blocks = math.ceil(tokens / 64)
+    dx, dw_partial = torch.full_like(x, math.nan), torch.full((short_blocks, channels, 4), math.nan)
+    HostKernel(causal_conv.compile_conv_backward("float32", 4, 4, 64).get_kernel_source())(
+        (math.ceil(channels // 4 / causal_conv._THREADS), short_blocks), x=x, weight=weight, position=position,
+        dy=dy, dx=dx, dw_partial=dw_partial, num_blocks=short_blocks, num_tokens=tokens, groups=channels // 4)
+    assert torch.equal(dx, outputs[4]["dx"])
+    short_dw, dw = dw_partial.sum(0).double(), outputs[4]["dw_partial"].sum(0).double()
+    assert ((short_dw - dw).norm() / dw.norm()).item() < 1e-6
     leaf, taps = x.double().requires_grad_(), weight.double().view(channels, 1, 4).requires_grad_()
     exact = causal_conv1d_silu_torch(leaf[None], taps, position.long())
     exact.backward(dy.double()[None])
