@@ -108,7 +108,46 @@ def profile_summary(prof, wall_s: float, count: int = 30) -> tuple[str, dict]:
     lines += [f"  {e.self_device_time_total / 1e3:10.2f} ms {e.count:7d} calls  {e.key[:110]}" for e in kernels[:count]]
     lines += ["", f"host ops by self CPU time (top {count}):"]
     lines += [f"  {e.self_cpu_time_total / 1e3:10.2f} ms {e.count:7d} calls  {e.key[:110]}" for e in host_ops[:count]]
-    return "\n".join(lines) + "\n", {"profile/gpu_busy_s": gpu_busy_s, "profile/wall_s": wall_s}
+    record = {"profile/gpu_busy_s": gpu_busy_s, "profile/wall_s": wall_s}
+    events_in_order = getattr(prof, "events", None)
+    if events_in_order is not None:
+        gap_lines, idle_s = gpu_idle_gaps(list(events_in_order()))
+        lines += ["", *gap_lines]
+        record["profile/gpu_idle_between_kernels_s"] = idle_s
+    return "\n".join(lines) + "\n", record
+
+
+def gpu_idle_gaps(events, min_gap_us: float = 20.0, count: int = 15) -> tuple[list[str], float]:
+    """Where the GPU waited between its first and last kernel: the device events' busy intervals
+    (all streams merged), the gaps of at least min_gap_us between them, and for the largest gaps the
+    kernel that ended the wait and the host op that launched it, with that op's callers (the
+    profiler links a kernel to its launching op by correlation id). A gap is time the host took to
+    launch the next kernel. Returns (report lines, idle seconds between kernels)."""
+    from torch.autograd import DeviceType
+
+    device = sorted((e for e in events if e.device_type == DeviceType.CUDA),
+                    key=lambda e: e.time_range.start)
+    if not device:
+        return ["GPU idle between kernels: no device events"], 0.0
+    # the ops of torch's frontend (no linked id of their own): what a device event's linked id names
+    launchers = {e.id: e for e in events if e.device_type == DeviceType.CPU and not e.linked_correlation_id}
+    gaps, busy_until = [], device[0].time_range.end
+    for event in device[1:]:
+        if event.time_range.start - busy_until >= min_gap_us:
+            gaps.append((event.time_range.start - busy_until, event))
+        busy_until = max(busy_until, event.time_range.end)
+    idle_us = sum(gap for gap, _ in gaps)
+    span_us = busy_until - device[0].time_range.start
+    lines = [f"GPU idle between kernels: {idle_us / 1e3:.2f} ms in {len(gaps)} gaps of >= {min_gap_us:.0f} us, "
+             f"over {span_us / 1e3:.2f} ms from the first kernel to the last; largest {count}:"]
+    for gap, event in sorted(gaps, key=lambda g: g[0], reverse=True)[:count]:
+        callers, op = [], launchers.get(event.linked_correlation_id)
+        while op is not None and len(callers) < 3:
+            callers.append(op.name[:50])
+            op = op.cpu_parent
+        launched_by = " < ".join(callers) if callers else "?"
+        lines.append(f"  {gap / 1e3:8.3f} ms before {event.name[:60]} (launched by {launched_by})")
+    return lines, idle_us / 1e6
 
 
 # Dense bf16 tensor-core peak per GPU (the vendor's figure), for model FLOPs utilisation.

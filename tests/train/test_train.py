@@ -391,3 +391,33 @@ def test_profile_summary_counts_each_kernel_once():
     assert report.startswith("wall 0.0020 s, GPU kernels 0.0009 s (45 % of the wall time)")
     kernels_section = report.split("host ops")[0]
     assert "gemm_kernel" in kernels_section and "aten::mm" not in kernels_section
+
+
+def test_gpu_idle_gaps_name_the_kernel_after_each_wait_and_its_launcher():
+    """Busy intervals of two streams merge; only gaps of at least min_gap_us count; the largest gap
+    comes first, with the kernel that ended it and the host op (and caller) that launched it."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from train.metrics import gpu_idle_gaps
+
+    def op(id, name, parent=None):
+        return SimpleNamespace(id=id, name=name, device_type=DeviceType.CPU, cpu_parent=parent,
+                               time_range=SimpleNamespace(start=0, end=0), linked_correlation_id=0)
+
+    def kernel(name, start, end, launched_by):
+        return SimpleNamespace(id=0, name=name, device_type=DeviceType.CUDA, cpu_parent=None,
+                               time_range=SimpleNamespace(start=start, end=end), linked_correlation_id=launched_by)
+
+    layer = op(1, "QwenHybridForCausalLM")
+    events = [layer, op(7, "aten::mm", op(6, "MmBackward0", layer)), op(8, "aten::add"),
+              kernel("gemm", 0, 100, 7), kernel("overlapping", 50, 150, 8),  # a second stream: no gap
+              kernel("add_kernel", 160, 170, 8),                              # 10 us: below the threshold
+              kernel("late_gemm", 470, 500, 7), kernel("norm", 600, 610, 8)]
+    lines, idle_s = gpu_idle_gaps(events, min_gap_us=20)
+    assert idle_s == (300 + 100) / 1e6
+    assert lines[0].startswith("GPU idle between kernels: 0.40 ms in 2 gaps of >= 20 us, over 0.61 ms")
+    assert lines[1] == "     0.300 ms before late_gemm (launched by aten::mm < MmBackward0 < QwenHybridForCausalLM)"
+    assert lines[2] == "     0.100 ms before norm (launched by aten::add)"
+    assert gpu_idle_gaps([layer], min_gap_us=20) == (["GPU idle between kernels: no device events"], 0.0)
