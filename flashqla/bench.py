@@ -35,7 +35,8 @@ FLA_CACHE_RESULTS=0) and the timed run then autotunes alone with every kernel al
 --compare times what decides between kernel variants, each pair on the same inputs, and prints the
 ratios (timings live here, not in the GPU tests, so a busy machine cannot fail a correctness test):
 - keep_forward: forward + backward through the public op, keep_for_backward=False, "products" and True;
-- conv: the GDN layer's conv + SiLU, the TileLang kernel against torch.compile of its definition;
+- conv: the GDN layer's conv + SiLU, the TileLang kernel against torch.compile of its definition, and
+  the kernel's backward with 256-token blocks against 128 and 64;
 - inverse: the chunks' inverse A~ against FlashQLA's kkt_solve;
 - chunk_grads_l2norm: the chunk gradients then the L2 norm's backward kernel against the chunk
   gradients with the norm's backward in their epilogues (backward.py picks by head layout).
@@ -385,7 +386,7 @@ def compare_conv(rep_ms: int):
         for block_tokens in (BACKWARD_TOKENS, 128, 64):
             for name, a, b in zip(("dx", "dw"), reference, conv_backward(flat, taps, position32, dy_flat, block_tokens)):
                 # dx is the same sum at any block; dw's partial sums regroup (float32)
-                bound = 0.0 if name == "dx" else 1e-6
+                bound = 0.0 if name == "dx" else 1e-5
                 if not float(relative_error(b, a)) <= bound:  # also catches NaN
                     raise AssertionError(f"conv backward, {block_tokens}-token blocks: {name} moved from the kernel's")
             blocks[f"backward, {block_tokens}-token blocks"] = _median_ms(

@@ -33,16 +33,18 @@ from qwen_hybrid.attention import causal_attention
 from qwen_hybrid.config import QwenHybridConfig
 
 
-def fused(function):
+def fused(function, checkpointed: bool = False):
     """function as one fused kernel per chain that keeps only its inputs for the backward.
 
     On CUDA (not float64): torch.compile. Its partitioner saves the chain's inputs (and row
     statistics) and recomputes the rest inside the backward's fused kernel, which keeps what
-    `checkpoint` around it would keep without a second forward call in the backward (measured on
-    the norms and SwiGLU: the same saved bytes, docs/performance.md). Shapes are static at first (a
-    row length known at compile time makes inductor's reductions and index arithmetic much cheaper
-    than symbolic ones), and a dim that changes between calls turns symbolic on its first change
-    (torch's automatic dynamic shapes), so a run compiles each chain once or twice.
+    `checkpoint` around it would keep without a second forward call in the backward (the saved
+    bytes, measured on the CPU at 8192 tokens: docs/performance.md). Where the partitioner keeps
+    more (the torch conv chain: 7x its input), `checkpointed=True` puts the compiled call under
+    `checkpoint`. Shapes are static at first (a row length known at compile time makes inductor's
+    reductions and index arithmetic much cheaper than symbolic ones), and a dim that changes
+    between calls turns symbolic on its first change (torch's automatic dynamic shapes), so a run
+    compiles each chain once or twice.
     Elsewhere, for float64 (torch 2.11's inductor emits Triton reductions that fail to compile for
     it; float64 runs are reference checks) and with compilation off (torch's own
     TORCH_COMPILE_DISABLE=1): eager under `checkpoint`, since eager autograd would keep every
@@ -51,6 +53,8 @@ def fused(function):
 
     def call(*args):
         if args[0].is_cuda and args[0].dtype != torch.float64 and not torch._dynamo.config.disable:
+            if checkpointed and torch.is_grad_enabled():
+                return checkpoint(compiled, *args, use_reentrant=False)
             return compiled(*args)
         if torch.is_grad_enabled():
             return checkpoint(function, *args, use_reentrant=False)
@@ -111,7 +115,8 @@ class GatedRMSNorm(nn.Module):
         return _fused_gated_rms_norm(x, gate, self.weight, self.eps)
 
 
-_fused_conv1d_silu = fused(causal_conv1d_silu_torch)
+# compiled, its backward would keep 7x the input (shifted float32 copies): recompute it instead
+_fused_conv1d_silu = fused(causal_conv1d_silu_torch, checkpointed=True)
 
 
 def positions_in_documents(length: int, cu_seqlens: torch.Tensor | None, device) -> torch.Tensor:

@@ -18,7 +18,7 @@
 #                       as CSV and the 40 instructions that stall most (tools/ncu_top_stalls.py), then the same by
 #                       line of the generated CUDA (the report imports the source)
 #   tests-model         the GPU tests of the conv kernel and of qwen_hybrid/ only
-#   compare-conv        python -m flashqla.bench --compare conv (the conv kernel against torch.compile)
+#   compare-conv        python -m flashqla.bench --compare conv (the conv kernel against torch.compile; its backward's token blocks)
 #   attention           python -m benchmarks.attention_backends (SDPA's kernels and varlen_attn; ATTENTION_ARGS)
 #   loss-curves         20 steps at 8192 tokens of this tree and of baseline/ (a git archive of an older commit), losses side by side
 #   train-32k           launch/benchmark.sh 0.8B 32768 tilelang (train-32k-compare: tilelang,fla;

@@ -4,9 +4,9 @@ y[t, c] = silu(pre[t, c]),  pre[t, c] = sum_s w[c, K-1-s] x[t-s, c] over the lag
 position[t] >= s (a tap never reaches back past the start of t's document). x is [tokens,
 channels] (a [B, T, C] batch flattened; the positions restart every row or document).
 
-A thread takes `lanes` neighbouring channels (one vector load of up to 8 bytes a token) and walks a
-block of tokens in order, keeping the last K inputs in registers and the loads of the next `DEPTH`
-tokens in flight in a ring of registers (the token loop unrolled by DEPTH, the load index clamped so
+A thread takes `lanes` neighbouring channels (one vector load of up to 16 bytes a token, 8 for bf16
+and fp16) and walks a block of tokens in order, keeping the last K inputs in registers and the loads
+of the next `DEPTH` tokens in flight in a ring of registers (the token loop unrolled by DEPTH, the load index clamped so
 that it needs no branch). x is read once and y written once (the compiled torch chain it replaced
 made ~40 passes over the tensor in the forward, recompute and backward). The backward recomputes pre,
 and emits dx[u] once the K upstream gradients dpre[u .. u+K-1] have passed; the weight gradient is
@@ -214,15 +214,19 @@ def conv_backward_program(x_dtype: str, kernel_size: int, lanes: int, depth: int
     return causal_conv_silu_backward
 
 
-@functools.lru_cache(maxsize=None)
 def compile_conv_forward(x_dtype: str = "bfloat16", kernel_size: int = 4, lanes: int = MAX_LANES):
-    return compile_for_hopper(conv_forward_program(x_dtype, kernel_size, lanes))
+    return _compiled(conv_forward_program, x_dtype, kernel_size, lanes, FORWARD_TOKENS)
 
 
-@functools.lru_cache(maxsize=None)
 def compile_conv_backward(x_dtype: str = "bfloat16", kernel_size: int = 4, lanes: int = MAX_LANES,
                           block_tokens: int = BACKWARD_TOKENS):
-    return compile_for_hopper(conv_backward_program(x_dtype, kernel_size, lanes, block_tokens=block_tokens))
+    return _compiled(conv_backward_program, x_dtype, kernel_size, lanes, block_tokens)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(program, x_dtype: str, kernel_size: int, lanes: int, block_tokens: int):
+    """One compile per specialisation however its caller spells the arguments."""
+    return compile_for_hopper(program(x_dtype, kernel_size, lanes, block_tokens=block_tokens))
 
 
 def lanes_for(*tensors: torch.Tensor) -> int:

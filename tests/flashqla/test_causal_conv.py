@@ -95,20 +95,30 @@ def test_documents_do_not_see_each_other_in_the_kernel():
 
 
 @pytest.mark.gpu
-def test_outputs_do_not_depend_on_the_vector_width():
-    """x starting 0, 1 and 2 bf16 elements past a 16-byte boundary takes 4, 2 and 1 channels a thread
-    (causal_conv.lanes_for); y, dx and dw are bitwise the same: every channel sees the same arithmetic."""
-    from flashqla.hopper.causal_conv import lanes_for
+def test_outputs_do_not_depend_on_the_vector_width(monkeypatch):
+    """x starting 0, 2 and 1 bf16 elements past a 16-byte boundary runs the kernels at 4, 2 and 1
+    channels a thread (causal_conv.lanes_for; checked on the widths the compile calls name); y, dx
+    and dw are bitwise the same: every channel sees the same arithmetic."""
+    from flashqla.hopper import causal_conv
 
+    widths = []
+    for name in ("compile_conv_forward", "compile_conv_backward"):
+        original = getattr(causal_conv, name)
+        monkeypatch.setattr(causal_conv, name, lambda *args, _original=original, **kwargs:
+                            widths.append(args[2]) or _original(*args, **kwargs))
     x, weight, dy = _inputs(RAGGED, 512, torch.bfloat16, seed=5)
     position = _positions(RAGGED, x.device)
     runs = []
     for offset, lanes in ((0, 4), (2, 2), (1, 1)):
         storage = torch.empty(x.numel() + offset, dtype=x.dtype, device=x.device)
-        shifted = storage[offset:].view(x.shape)
+        shifted = storage[offset:].view(x.shape)  # a view off the vector boundary, passed as it is
         shifted.copy_(x)
-        assert lanes_for(shifted.view(-1, 512)) == lanes
-        runs.append(_run(shifted, weight, position, dy, "tilelang"))
+        leaf, taps = shifted.requires_grad_(), weight.detach().clone().requires_grad_()
+        widths.clear()
+        y = causal_conv1d_silu(leaf, taps, position, backend="tilelang")
+        y.backward(dy)
+        assert widths == [lanes, lanes], f"offset {offset}: kernels ran at {widths} lanes, expected {lanes}"
+        runs.append({"y": y.detach(), "dx": leaf.grad, "dw": taps.grad})
     for name in runs[0]:
         for other in runs[1:]:
             assert torch.equal(runs[0][name], other[name]), name
