@@ -26,6 +26,8 @@
 #                       train-128k-compare: tilelang,fla at 131072)
 #   keep-levels         32768 tokens, tilelang,fla, once for each model.gdn_keep_for_backward (true, products, false)
 #   train-256k          launch/benchmark.sh 0.8B 262144 tilelang
+#   train-512k          launch/benchmark.sh 0.8B 524288 tilelang, 4 steps, attention recomputed (its kept tensors
+#                       would be ~45 GB): whether twice the longest length measured so far trains on one GPU
 #   idle                32768 tokens: profiled, without DeepSpeed's overlap_comm, with ZeRO-1; 8192 profiled
 #   step-time           8192 (profiled at step PROFILE_STEP=6) and 32768 tokens, tilelang, kernel timing off
 #   grad-checks         8192 (profiled at step PROFILE_STEP=6) and 32768 tokens with deepspeed.one_pass_grad_checks on and off
@@ -256,6 +258,8 @@ print("max |difference|", max(abs(losses[0][s] - losses[1][s]) for s in losses[0
         done
         ;;
     train-256k) train_run train-0.8B-256k-tilelang 0.8B 262144 tilelang ;;
+    train-512k) STEPS=4 TRAIN_TIMEOUT_S=${TRAIN_TIMEOUT_S:-540} train_run train-0.8B-512k-tilelang 0.8B 524288 tilelang \
+        train.recompute_attention=true ;;
     train-8k) train_run train-0.8B-8k-compare 0.8B 8192 tilelang,fla ;;
     train-128k-tilelang) train_run train-0.8B-128k-tilelang 0.8B 131072 tilelang ;;
     train-128k-attention)
@@ -284,7 +288,7 @@ print("max |difference|", max(abs(losses[0][s] - losses[1][s]) for s in losses[0
         ;;
     *)
         echo "unknown part '$1': tests, tests-model, unverified, compare, compare-conv, attention, bench, bench-warm, ncu, ncu-source," \
-            "train-8k, train-32k, train-32k-compare, train-32k-compare-recompute, train-128k-compare, train-128k-tilelang, train-128k-fla, train-256k, train-2b, train," \
+            "train-8k, train-32k, train-32k-compare, train-32k-compare-recompute, train-128k-compare, train-128k-tilelang, train-128k-fla, train-256k, train-512k, train-2b, train," \
             "idle, timing-cost, checkpoint-layers, keep-levels, model-bench, model-vs-hf," \
             "tp2, tp2-8k" >&2
         SUMMARY+=("$(printf '%-22s %-9s' "$1" "UNKNOWN")")
