@@ -256,7 +256,8 @@ def test_kernel_timing_backend_comparison_and_step_profile(workdir):
     report = (run_dir / "profile-step3.txt").read_text()
     assert report.startswith("wall ") and "host ops by self CPU time" in report and "aten::mm" in report
     assert [sorted(k for k in r if k.startswith("profile/")) for r in records] == [
-        [], [], ["profile/gpu_busy_s", "profile/wall_s"], []]
+        [], [], ["profile/gpu_busy_s", "profile/gpu_idle_between_kernels_s", "profile/wall_s"], []]
+    assert "GPU idle between kernels: no device events" in report  # on the CPU
     assert records[2]["profile/wall_s"] == records[2]["step_time_s"]
 
 
