@@ -13,11 +13,8 @@ def small(**overrides):
     return inputs
 
 
-def test_auto_runs_torch_on_cpu_and_matches_explicit_torch():
+def test_auto_picks_torch_on_cpu():
     inputs = small()
-    o_auto, s_auto = chunk_gated_delta_rule(**inputs, output_final_state=True)
-    o_torch, s_torch = chunk_gated_delta_rule(**inputs, output_final_state=True, backend="torch")
-    assert torch.equal(o_auto, o_torch) and torch.equal(s_auto, s_torch)
     assert backends.select("auto", inputs["q"], inputs["v"]).name == "torch"
 
 
@@ -130,13 +127,6 @@ def test_bad_input_names_the_argument(case):
     overrides, error, pattern = _bad_cases()[case]
     with pytest.raises(error, match=pattern):
         chunk_gated_delta_rule(**small(**overrides))
-
-
-def test_host_offsets_give_the_same_result():
-    inputs = small()
-    expected, expected_state = chunk_gated_delta_rule(**inputs, output_final_state=True)
-    o, state = chunk_gated_delta_rule(**inputs, output_final_state=True, cu_seqlens_cpu=inputs["cu_seqlens"].clone())
-    assert torch.equal(o, expected) and torch.equal(state, expected_state)
 
 
 def test_host_offsets_are_what_the_kernels_plan_from(monkeypatch):

@@ -73,14 +73,6 @@ def test_plan_forward_matches_the_separate_helpers():
     assert plan.max_walk_back == max(back) > 0
 
 
-def test_plan_forward_uses_host_bounds_when_given():
-    cu = torch.tensor([0, 1000, 5000], dtype=torch.int32)
-    from_device = plan_forward(cu, num_heads=8, sm_count=132, max_value_block=64)
-    from_host = plan_forward(cu, num_heads=8, sm_count=132, max_value_block=64, host_bounds=[0, 1000, 5000])
-    assert from_host.pieces.tolist() == from_device.pieces.tolist()
-    assert from_host.chunk_index.tolist() == from_device.chunk_index.tolist()
-
-
 def assert_same_plan(a, b):
     for name in ("chunk_index", "chunk_offsets", "pieces"):
         x, y = getattr(a, name), getattr(b, name)

@@ -31,7 +31,7 @@ def test_backward_matches_float64_reference(heads, lengths, with_initial_state):
     ours = run_backward(inputs, do, dht)
     assert tuple(ours[0].shape) == tuple(inputs["q"].shape) and ours[0].dtype == torch.bfloat16
     assert ours[3].dtype == torch.float32 and ours[5].dtype == torch.float32
-    assert_close_to_reference(ours, float64_gradients(inputs, do, dht))
+    assert_close_to_reference(ours, float64_gradients(inputs, do, dht), LENGTHS[lengths])
 
 
 @pytest.mark.gpu
@@ -41,7 +41,7 @@ def test_backward_matches_float64_reference(heads, lengths, with_initial_state):
 def test_backward_strong_decay(heads, lengths):
     """A quarter of the heads with g = 0, a quarter with g down to -20 per token."""
     inputs, do, dht = make_backward_inputs(LENGTHS[lengths], *heads, True, strong_decay=True)
-    assert_close_to_reference(run_backward(inputs, do, dht), float64_gradients(inputs, do, dht))
+    assert_close_to_reference(run_backward(inputs, do, dht), float64_gradients(inputs, do, dht), LENGTHS[lengths])
 
 
 @pytest.mark.gpu

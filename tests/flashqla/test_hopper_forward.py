@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from flashqla.testing import relative_error
-from hopper_grid import (HEAD_IDS, HEAD_LAYOUTS, LENGTHS, RAGGED, TOLERANCE, float64_reference, make_inputs,
-                         on_hopper, poison_allocator)
+from hopper_grid import (HEAD_IDS, HEAD_LAYOUTS, LENGTHS, RAGGED, TOLERANCE, assert_slices_close, float64_reference,
+                         make_inputs, on_hopper, poison_allocator)
 
 pytestmark = pytest.mark.gpu
 
@@ -38,6 +38,7 @@ def test_forward_matches_float64_reference(heads, lengths, with_initial_state):
     err_state = relative_error(final_state, ref_state)
     assert err_o <= TOLERANCE, f"o relative L2 error {err_o:.3e}"
     assert err_state <= TOLERANCE, f"final state relative L2 error {err_state:.3e}"
+    assert_slices_close({"o": o, "final_state": final_state}, {"o": ref_o, "final_state": ref_state}, LENGTHS[lengths])
 
 
 @pytest.mark.parametrize("heads", [(16, 64), (2, 8)], ids=["16_64", "2_8"])

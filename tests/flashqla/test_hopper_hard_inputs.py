@@ -270,6 +270,28 @@ def test_checks_catch_a_sabotaged_sequence_head():
     assert [line.split(":")[0] for line in bound_failures(errors)] == ["dv"]
 
 
+def test_grid_gradient_check_catches_a_zeroed_short_sequence():
+    """The grid tests' check (hopper_grid.assert_close_to_reference with seq_lens): one head of a 1-token
+    sequence's dq zeroed passes the whole-tensor bound and fails per (sequence, head); the gradients
+    a bf16 rounding off pass both."""
+    from hopper_grid import GRAD_NAMES, TOLERANCE, assert_close_to_reference
+
+    gen = torch.Generator().manual_seed(0)
+    seq_lens, heads = [3000, 0, 1, 129], 4
+    tokens = sum(seq_lens)
+    shapes = {"dq": (1, tokens, 2, 16), "dk": (1, tokens, 2, 16), "dv": (1, tokens, heads, 16),
+              "dg": (1, tokens, heads), "dbeta": (1, tokens, heads), "dh0": (len(seq_lens), heads, 16, 16)}
+    ref = [torch.randn(shapes[name], generator=gen, dtype=torch.float64) for name in GRAD_NAMES]
+    ours = [r * (1 + 4e-3 * torch.randn(r.shape, generator=gen, dtype=torch.float64)) for r in ref]
+    assert_close_to_reference(ours, ref, seq_lens)
+    ours[0] = ours[0].clone()
+    ours[0][0, 3000, 1] = 0  # sequence 2 (its 1 token), qk head 1
+    assert relative_error(ours[0], ref[0]) <= TOLERANCE  # the whole tensor misses it
+    assert_close_to_reference(ours, ref)
+    with pytest.raises(AssertionError, match=r"dq.*\(2, 1\)"):
+        assert_close_to_reference(ours, ref, seq_lens)
+
+
 def test_slice_floor_grades_near_zero_references_on_the_tensor_scale():
     gen = torch.Generator().manual_seed(0)
     ref = torch.randn(3, 2, 4, 4, generator=gen, dtype=torch.float64)

@@ -43,7 +43,7 @@ def test_kept_forward_gradients_match_float64(heads, lengths):
     kept = forward_then_backward(inputs, do, dht)
     for name, grad in zip(GRAD_NAMES, kept):
         assert torch.isfinite(grad).all(), name
-    assert_close_to_reference(kept, float64_gradients(inputs, do, dht))
+    assert_close_to_reference(kept, float64_gradients(inputs, do, dht), lengths)
 
 
 @pytest.mark.parametrize("heads", [(16, 64), (2, 8), (1, 16)], ids=["16_64", "2_8", "1_16"])
@@ -104,11 +104,22 @@ def test_kept_forward_is_bitwise_deterministic():
         assert torch.equal(a, b), name
 
 
-def test_public_op_with_kept_forward_under_checkpointing():
+def test_public_op_with_kept_forward_under_checkpointing(monkeypatch):
+    """Both kinds of checkpoint: the gradients match the recomputing op's and float64, and the backward
+    receives what the op was asked to keep (all, the products without the chunk states, or nothing)."""
     import flashqla
+    from flashqla.hopper import backward as backward_module
     from flashqla.testing import relative_error
     from torch.utils.checkpoint import checkpoint
 
+    received = []
+    original_backward = backward_module.backward
+
+    def spying_backward(*args, kept=None, **kwargs):
+        received.append("nothing" if kept is None else "all" if kept.chunk_states is not None else "products")
+        return original_backward(*args, kept=kept, **kwargs)
+
+    monkeypatch.setattr(backward_module, "backward", spying_backward)  # autograd.py looks it up per call
     inputs, do, dht = make_backward_inputs(RAGGED, 2, 8, True)
     names = ARGS + ("initial_state",)
 
@@ -126,10 +137,13 @@ def test_public_op_with_kept_forward_under_checkpointing():
         return [leaf.grad for leaf in leaves]
 
     recomputed = grads(False, False)
+    assert received == ["nothing"]
     reference = float64_gradients(inputs, do, dht)
     for keep in (True, "products"):
         for reentrant in (False, True):
+            received.clear()
             kept = grads(keep, reentrant)
+            assert received == ["all" if keep is True else "products"], (keep, reentrant)
             for name, a, b in zip(names, kept, recomputed):
                 assert relative_error(a, b) <= 1e-2, (keep, reentrant, name)
             assert all(relative_error(a, r) <= TOLERANCE for a, r in zip(kept, reference))
