@@ -52,13 +52,11 @@ def fused(function, checkpointed: bool = False):
     compiled = torch.compile(function)
 
     def call(*args):
-        if args[0].is_cuda and args[0].dtype != torch.float64 and not torch._dynamo.config.disable:
-            if checkpointed and torch.is_grad_enabled():
-                return checkpoint(compiled, *args, use_reentrant=False)
-            return compiled(*args)
-        if torch.is_grad_enabled():
-            return checkpoint(function, *args, use_reentrant=False)
-        return function(*args)
+        runs_compiled = args[0].is_cuda and args[0].dtype != torch.float64 and not torch._dynamo.config.disable
+        run = compiled if runs_compiled else function
+        if torch.is_grad_enabled() and (checkpointed or not runs_compiled):
+            return checkpoint(run, *args, use_reentrant=False)
+        return run(*args)
 
     call.__name__ = function.__name__
     return call

@@ -6,9 +6,9 @@ channels] (a [B, T, C] batch flattened; the positions restart every row or docum
 
 A thread takes `lanes` neighbouring channels (one vector load of up to 16 bytes a token, 8 for bf16
 and fp16) and walks a block of tokens in order, keeping the last K inputs in registers and the loads
-of the next `DEPTH` tokens in flight in a ring of registers (the token loop unrolled by DEPTH, the load index clamped so
-that it needs no branch). x is read once and y written once (the compiled torch chain it replaced
-made ~40 passes over the tensor in the forward, recompute and backward). The backward recomputes pre,
+of the next `DEPTH` tokens in flight in a ring of registers (the token loop unrolled by DEPTH, the
+load index clamped so that it needs no branch). x is read once and y written once (the compiled
+torch chain it replaced made ~40 passes over the tensor in the forward, recompute and backward). The backward recomputes pre,
 and emits dx[u] once the K upstream gradients dpre[u .. u+K-1] have passed; the weight gradient is
 summed per token block into `dw_partial` and over the blocks by the caller, in a fixed order
 (deterministic). Every channel sees the same arithmetic in the same order whatever its lanes, so the

@@ -141,31 +141,32 @@ def test_kernel_widths_are_bitwise_one_another_on_the_host(lengths, channels):
     dy = torch.randn(tokens, channels, generator=generator)
     weight = torch.randn(channels, 4, generator=generator) * 0.5
     position = _positions(lengths, "cpu").to(torch.int32)
-    blocks = math.ceil(tokens / causal_conv.BACKWARD_TOKENS)
     forward_grid = math.ceil(tokens / causal_conv.FORWARD_TOKENS)
+
+    def columns(lanes):
+        return math.ceil(channels // lanes / causal_conv._THREADS)
+
+    def host_backward(lanes, block_tokens=causal_conv.BACKWARD_TOKENS):
+        blocks = math.ceil(tokens / block_tokens)
+        dx, dw_partial = torch.full_like(x, math.nan), torch.full((blocks, channels, 4), math.nan)
+        HostKernel(causal_conv.compile_conv_backward("float32", 4, lanes, block_tokens).get_kernel_source())(
+            (columns(lanes), blocks), x=x, weight=weight, position=position, dy=dy, dx=dx, dw_partial=dw_partial,
+            num_blocks=blocks, num_tokens=tokens, groups=channels // lanes)
+        return dx, dw_partial
+
     outputs = {}
     for lanes in (4, 2, 1):
-        groups = channels // lanes
-        y, dx = torch.full_like(x, math.nan), torch.full_like(x, math.nan)
-        dw_partial = torch.full((blocks, channels, 4), math.nan)
-        columns = math.ceil(groups / causal_conv._THREADS)
-        forward = causal_conv.compile_conv_forward("float32", 4, lanes)
-        backward = causal_conv.compile_conv_backward("float32", 4, lanes)
-        HostKernel(forward.get_kernel_source())(
-            (columns, forward_grid), x=x, weight=weight, position=position, y=y, num_tokens=tokens, groups=groups)
-        HostKernel(backward.get_kernel_source())(
-            (columns, blocks), x=x, weight=weight, position=position, dy=dy, dx=dx, dw_partial=dw_partial,
-            num_blocks=blocks, num_tokens=tokens, groups=groups)
+        y = torch.full_like(x, math.nan)
+        HostKernel(causal_conv.compile_conv_forward("float32", 4, lanes).get_kernel_source())(
+            (columns(lanes), forward_grid), x=x, weight=weight, position=position, y=y, num_tokens=tokens,
+            groups=channels // lanes)
+        dx, dw_partial = host_backward(lanes)
         outputs[lanes] = {"y": y, "dx": dx, "dw_partial": dw_partial}
     for lanes in (2, 1):
         for label in ("y", "dx", "dw_partial"):
             assert torch.equal(outputs[lanes][label], outputs[4][label]), f"{label} at {lanes} lanes"
     # shorter token blocks in the backward (bench --compare conv): the same dx, dw regrouped
-    short_blocks = math.ceil(tokens / 64)
-    dx, dw_partial = torch.full_like(x, math.nan), torch.full((short_blocks, channels, 4), math.nan)
-    HostKernel(causal_conv.compile_conv_backward("float32", 4, 4, 64).get_kernel_source())(
-        (math.ceil(channels // 4 / causal_conv._THREADS), short_blocks), x=x, weight=weight, position=position,
-        dy=dy, dx=dx, dw_partial=dw_partial, num_blocks=short_blocks, num_tokens=tokens, groups=channels // 4)
+    dx, dw_partial = host_backward(4, block_tokens=64)
     assert torch.equal(dx, outputs[4]["dx"])
     short_dw, dw = dw_partial.sum(0).double(), outputs[4]["dw_partial"].sum(0).double()
     assert ((short_dw - dw).norm() / dw.norm()).item() < 1e-6
