@@ -188,7 +188,7 @@ print(first_call_s(implementations([])["ours"], make_inputs(heads, lens)))' "${N
             step "curve-${tree//./current}" 200 60 env PYTHONPATH="/tmp/devkit/site:$PWD/$tree" bash -c "cd $tree && $PYTHON \
                 train/pretrain.py experiment=h200_single train.steps=20 train.warmup_steps=2 logger.mode=disabled \
                 train.checkpoint_every=0 train.checkpoint_at_exit=false train.export_hf=false \
-                run_dir=/tmp/runs/curve-${tree//./current} && cp /tmp/runs/curve-${tree//./current}/metrics.jsonl $LOGS/curve-${tree//./current}.jsonl"
+                train.overwrite=true run_dir=/tmp/runs/curve-${tree//./current} && cp /tmp/runs/curve-${tree//./current}/metrics.jsonl $LOGS/curve-${tree//./current}.jsonl"
         done
         step curve-compare 30 5 "$PYTHON" -c 'import json, sys
 runs = [[json.loads(l) for l in open(p)] for p in sys.argv[1:]]

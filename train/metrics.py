@@ -120,17 +120,31 @@ def profile_summary(prof, wall_s: float, count: int = 30) -> tuple[str, dict]:
 def gpu_idle_gaps(events, min_gap_us: float = 20.0, count: int = 15) -> tuple[list[str], float]:
     """Where the GPU waited between its first and last kernel: the device events' busy intervals
     (all streams merged), the gaps of at least min_gap_us between them, and for the largest gaps the
-    kernel that ended the wait and the host op that launched it, with that op's callers (the
-    profiler links a kernel to its launching op by correlation id). A gap is time the host took to
-    launch the next kernel. Returns (report lines, idle seconds between kernels)."""
+    kernel that ended the wait and the host op that launched it, with that op's callers. A gap is
+    time the host took to launch the next kernel. Returns (report lines, idle seconds between kernels).
+
+    The launcher is the latest host op that started before the kernel and lists a kernel of that
+    name (FunctionEvent.kernels, filled in every torch release; the exact link,
+    FunctionEvent.linked_correlation_id, is not there before torch 2.13). After a gap the GPU was
+    waiting for that kernel, so it was launched just before it started: the latest such op is it."""
+    import bisect
+
     from torch.autograd import DeviceType
 
     device = sorted((e for e in events if e.device_type == DeviceType.CUDA),
                     key=lambda e: e.time_range.start)
     if not device:
         return ["GPU idle between kernels: no device events"], 0.0
-    # the ops of torch's frontend (no linked id of their own): what a device event's linked id names
-    launchers = {e.id: e for e in events if e.device_type == DeviceType.CPU and not e.linked_correlation_id}
+    launches: dict[str, list] = {}  # kernel name -> [(start, host op)] in start order
+    for op in sorted((e for e in events if e.device_type == DeviceType.CPU), key=lambda e: e.time_range.start):
+        for name in {k.name for k in op.kernels}:
+            launches.setdefault(name, []).append((op.time_range.start, op))
+
+    def launcher(kernel):
+        candidates = launches.get(kernel.name, [])
+        index = bisect.bisect_right(candidates, kernel.time_range.start, key=lambda c: c[0])
+        return candidates[index - 1][1] if index else None
+
     gaps, busy_until = [], device[0].time_range.end
     for event in device[1:]:
         if event.time_range.start - busy_until >= min_gap_us:
@@ -141,7 +155,7 @@ def gpu_idle_gaps(events, min_gap_us: float = 20.0, count: int = 15) -> tuple[li
     lines = [f"GPU idle between kernels: {idle_us / 1e3:.2f} ms in {len(gaps)} gaps of >= {min_gap_us:.0f} us, "
              f"over {span_us / 1e3:.2f} ms from the first kernel to the last; largest {count}:"]
     for gap, event in sorted(gaps, key=lambda g: g[0], reverse=True)[:count]:
-        callers, op = [], launchers.get(event.linked_correlation_id)
+        callers, op = [], launcher(event)
         while op is not None and len(callers) < 3:
             callers.append(op.name[:50])
             op = op.cpu_parent

@@ -403,22 +403,31 @@ def test_gpu_idle_gaps_name_the_kernel_after_each_wait_and_its_launcher():
 
     from train.metrics import gpu_idle_gaps
 
-    def op(id, name, parent=None):
-        return SimpleNamespace(id=id, name=name, device_type=DeviceType.CPU, cpu_parent=parent,
-                               time_range=SimpleNamespace(start=0, end=0), linked_correlation_id=0)
+    def op(name, start, launched=(), parent=None):
+        """A host op as torch's profiler gives it: the kernels it launched by name, no device time."""
+        return SimpleNamespace(name=name, device_type=DeviceType.CPU, cpu_parent=parent,
+                               kernels=[SimpleNamespace(name=k) for k in launched],
+                               time_range=SimpleNamespace(start=start, end=start + 5))
 
-    def kernel(name, start, end, launched_by):
-        return SimpleNamespace(id=0, name=name, device_type=DeviceType.CUDA, cpu_parent=None,
-                               time_range=SimpleNamespace(start=start, end=end), linked_correlation_id=launched_by)
+    def kernel(name, start, end):
+        return SimpleNamespace(name=name, device_type=DeviceType.CUDA, cpu_parent=None, kernels=[],
+                               time_range=SimpleNamespace(start=start, end=end))
 
-    layer = op(1, "QwenHybridForCausalLM")
-    events = [layer, op(7, "aten::mm", op(6, "MmBackward0", layer)), op(8, "aten::add"),
-              kernel("gemm", 0, 100, 7), kernel("overlapping", 50, 150, 8),  # a second stream: no gap
-              kernel("add_kernel", 160, 170, 8),                              # 10 us: below the threshold
-              kernel("late_gemm", 470, 500, 7), kernel("norm", 600, 610, 8)]
+    layer = op("QwenHybridForCausalLM", -10)
+    events = [layer, op("aten::mm", -5, ["gemm"]), op("aten::add", -4, ["overlapping", "add_kernel", "norm"]),
+              op("aten::mm", 460, ["late_gemm"], op("MmBackward0", 455, parent=layer)),
+              op("aten::mul", 475, ["late_gemm"]),     # launched the same kernel after it started: not it
+              kernel("gemm", 0, 100), kernel("overlapping", 50, 150),  # a second stream: no gap
+              kernel("add_kernel", 160, 170),                          # 10 us: below the threshold
+              kernel("late_gemm", 470, 500), kernel("norm", 600, 610)]
     lines, idle_s = gpu_idle_gaps(events, min_gap_us=20)
     assert idle_s == (300 + 100) / 1e6
     assert lines[0].startswith("GPU idle between kernels: 0.40 ms in 2 gaps of >= 20 us, over 0.61 ms")
     assert lines[1] == "     0.300 ms before late_gemm (launched by aten::mm < MmBackward0 < QwenHybridForCausalLM)"
     assert lines[2] == "     0.100 ms before norm (launched by aten::add)"
     assert gpu_idle_gaps([layer], min_gap_us=20) == (["GPU idle between kernels: no device events"], 0.0)
+    # torch's own host events carry what the lookup reads (a fake kernel stands in for the device)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        torch.ones(4).add_(1)
+    host = list(prof.events())
+    assert gpu_idle_gaps(host + [kernel("gemm", 0, 1), kernel("gemm", 50, 60)], min_gap_us=20)[1] == 49e-6
