@@ -26,8 +26,8 @@
 #                       train-128k-compare: tilelang,fla at 131072)
 #   keep-levels         32768 tokens, tilelang,fla, once for each model.gdn_keep_for_backward (true, products, false)
 #   train-256k          launch/benchmark.sh 0.8B 262144 tilelang
-#   train-512k          launch/benchmark.sh 0.8B 524288 tilelang, 4 steps, attention recomputed (its kept tensors
-#                       would be ~45 GB): whether twice the longest length measured so far trains on one GPU
+#   train-512k          launch/benchmark.sh 0.8B 524288 tilelang, 4 steps: steps 1-2 recompute the attention (80.4 GiB,
+#                       twenty-first session), then train.recompute_attention=auto keeps the attention layers that fit
 #   idle                32768 tokens: profiled, without DeepSpeed's overlap_comm, with ZeRO-1; 8192 profiled
 #   step-time           8192 (profiled at step PROFILE_STEP=6) and 32768 tokens, tilelang, kernel timing off
 #   grad-checks         8192 (profiled at step PROFILE_STEP=6) and 32768 tokens with deepspeed.one_pass_grad_checks on and off
@@ -168,6 +168,10 @@ print(first_call_s(implementations([])["ours"], make_inputs(heads, lens)))' "${N
         # the same samples by line of the generated CUDA: which role's loop each wait is in
         step ncu-source-lines 60 20 bash -c 'ncu -i "$0/ncu-source.ncu-rep" --page source --print-source cuda --csv \
             > "$0/ncu-source-cuda.csv" && '"$PYTHON"' tools/ncu_top_stalls.py --cuda "$0/ncu-source-cuda.csv"' "$OUT"
+        # The CUDA page came back without metric columns (twenty-first session): the correlated CUDA + SASS
+        # page, raw, to read here
+        step ncu-source-mixed 60 20 bash -c 'ncu -i "$0/ncu-source.ncu-rep" --page source --print-source cuda,sass \
+            --csv > "$0/ncu-source-cuda-sass.csv"; head -c 400 "$0/ncu-source-cuda-sass.csv"' "$OUT"
         ;;
     tests-model)
         # the conv kernel, the loss's compiled passes and the model's GPU tests (a quicker subset of tests)
@@ -258,8 +262,8 @@ print("max |difference|", max(abs(losses[0][s] - losses[1][s]) for s in losses[0
         done
         ;;
     train-256k) train_run train-0.8B-256k-tilelang 0.8B 262144 tilelang ;;
-    train-512k) STEPS=4 TRAIN_TIMEOUT_S=${TRAIN_TIMEOUT_S:-540} train_run train-0.8B-512k-tilelang 0.8B 524288 tilelang \
-        train.recompute_attention=true ;;
+    # the preset's recompute_attention=auto: steps 1-2 recompute every attention layer, 3-4 keep what fits
+    train-512k) STEPS=4 TRAIN_TIMEOUT_S=${TRAIN_TIMEOUT_S:-540} train_run train-0.8B-512k-tilelang 0.8B 524288 tilelang ;;
     train-8k) train_run train-0.8B-8k-compare 0.8B 8192 tilelang,fla ;;
     train-128k-tilelang) train_run train-0.8B-128k-tilelang 0.8B 131072 tilelang ;;
     train-128k-attention)

@@ -98,7 +98,8 @@ def validate_config(cfg: DictConfig) -> None:
     _integer("train.seed", train.seed, 0)
     _choice("train.precision", train.precision, PRECISIONS)
     _boolean("train.activation_checkpointing", train.activation_checkpointing)
-    _boolean("train.recompute_attention", train.recompute_attention)
+    if train.recompute_attention not in (True, False, "auto"):
+        raise ConfigError(f"train.recompute_attention={train.recompute_attention!r}: expected true, false or auto")
     if train.checkpoint_layers is not None:
         _integer("train.checkpoint_layers", train.checkpoint_layers, 0)
         if not train.activation_checkpointing:

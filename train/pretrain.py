@@ -314,8 +314,9 @@ def build_model(
             torch.set_default_dtype(previous_dtype)
         model = shard_model(model, parallel_groups, sequence_parallel=sequence_parallel)
     model = apply_context_parallel(model, parallel_groups)
+    # auto: the first step recomputes, then keep_attention_after_first_step decides
     model.set_activation_checkpointing(cfg.train.activation_checkpointing,
-                                       recompute_attention=cfg.train.recompute_attention,
+                                       recompute_attention=cfg.train.recompute_attention is not False,
                                        layers=cfg.train.checkpoint_layers)
     model.loss_chunk_size = cfg.train.loss_chunk_size
     return model
@@ -516,6 +517,44 @@ def agree_on_step(run: Run, loss_sum: torch.Tensor, flops: float, stop: StopRequ
     )
 
 
+# Of the GPU's memory, what train.recompute_attention=auto lets the step's peak reach with the kept
+# attention tensors added: the rest covers fragmentation that grows with the new tensors.
+ATTENTION_KEEP_MEMORY_FRACTION = 0.9
+
+
+def attention_layers_to_keep(peak_reserved: float, total: float, bytes_per_layer: float, layers: int,
+                             fraction: float = ATTENTION_KEEP_MEMORY_FRACTION) -> int:
+    """How many of `layers` checkpointed attention layers can keep their kernel's tensors: a step's
+    peak reserved memory with all of them recomputing, plus bytes_per_layer for each kept one, stays
+    within fraction * total."""
+    if layers == 0 or bytes_per_layer <= 0:
+        return layers
+    return max(0, min(layers, int((fraction * total - peak_reserved) // bytes_per_layer)))
+
+
+def keep_attention_by_memory(run: Run, summary: StepSummary) -> None:
+    """train.recompute_attention=auto: after the process's second step, both recomputing every
+    checkpointed attention layer (the second is the first whose backward runs with the optimizer's
+    state allocated), keep the attention kernel's tensors in as many as the GPU's memory holds (from the
+    largest peak over ranks, so every rank decides alike) from the next step on. Context parallelism
+    keeps recomputing: its attention layers hold a head group's whole sequence, which the estimate
+    leaves out."""
+    model = run.engine.module
+    layers = len(model._checkpointed_attention())
+    if run.device.type != "cuda" or layers == 0:
+        return
+    if run.cfg.parallel.cp > 1:
+        log.info("train.recompute_attention=auto: attention recomputed (context parallelism)")
+        return
+    per_layer = model.kept_attention_bytes(run.cfg.train.tokens_per_micro_batch)
+    total = torch.cuda.mem_get_info(run.device)[1]
+    kept = attention_layers_to_keep(summary.peak_reserved_gib * 2**30, total, per_layer, layers)
+    model.keep_attention_tensors(kept)
+    log.info(f"train.recompute_attention=auto: {kept} of {layers} checkpointed attention layers keep the kernel's "
+             f"tensors from step {run.state.step + 1} (step {run.state.step} peaked at {summary.peak_reserved_gib:.1f} "
+             f"GiB reserved of {total / 2**30:.1f}; up to {per_layer / 2**30:.2f} GiB a kept layer)")
+
+
 def checkpoint_due(train_cfg: DictConfig, step: int, exiting: bool) -> bool:
     periodic = train_cfg.checkpoint_every > 0 and step % train_cfg.checkpoint_every == 0
     return periodic or (exiting and train_cfg.checkpoint_at_exit)
@@ -542,6 +581,8 @@ def train_loop(run: Run) -> int:
                 state.data_position += train_cfg.gradient_accumulation * run.groups.dp_size
                 state.tokens_seen += run.tokens_per_step
             summary = agree_on_step(run, loss_sum, flops, stop)
+            if step == start_step + 2 and train_cfg.recompute_attention == "auto":
+                keep_attention_by_memory(run, summary)
 
             grad_norm = engine.get_global_grad_norm()
             grad_norm = float(grad_norm) if grad_norm is not None else None

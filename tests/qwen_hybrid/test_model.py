@@ -198,6 +198,44 @@ def test_activation_checkpointing_gives_the_same_gradients(recompute_attention):
     assert attention_calls == expected, f"attention kernel calls without/with checkpointing: {attention_calls}, expected {expected}"
 
 
+def test_keeping_the_first_attention_layers_recomputes_only_the_others():
+    """keep_attention_tensors(n) (train.recompute_attention=auto's switch): the first n checkpointed
+    attention layers keep their kernel's tensors, the backward recomputes the kernel of the others
+    only, the gradients are those of recomputing all; a count past the checkpointed layers is refused."""
+    from qwen_hybrid.layers import AttentionCore
+
+    ids = torch.randint(0, 512, (1, 30), generator=torch.Generator().manual_seed(7))
+    grads, calls_per_layer = [], []
+    for kept in (0, 1, 2):
+        model = tiny_model(seed=8).double()
+        model.set_activation_checkpointing(True)
+        model.keep_attention_tensors(kept)
+        calls = []
+        cores = [m for m in model.modules() if isinstance(m, AttentionCore)]
+        for index, core in enumerate(cores):
+            core.register_forward_hook(lambda *_, index=index: calls.append(index))
+        model(ids, labels=ids).loss.backward()
+        grads.append({name: p.grad for name, p in model.named_parameters()})
+        calls_per_layer.append([calls.count(i) for i in range(len(cores))])
+    for other in grads[1:]:
+        for name in grads[0]:
+            torch.testing.assert_close(other[name], grads[0][name], rtol=1e-12, atol=1e-14, msg=name)
+    assert calls_per_layer == [[2, 2], [1, 2], [1, 1]], f"attention kernel calls per layer: {calls_per_layer}"
+    with pytest.raises(ValueError, match=r"layers must be an integer in \[0, 2\].*got 3"):
+        model.keep_attention_tensors(3)
+    model.set_activation_checkpointing(True, layers=2)  # only the first attention layer is checkpointed
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        model.keep_attention_tensors(2)
+
+
+def test_kept_attention_bytes_follow_the_heads_and_tokens():
+    model = tiny_model()
+    attention = model.model.layers[1].self_attn
+    per_token = (4 * attention.num_heads + 2 * attention.num_kv_heads) * attention.head_dim + 3 * model.config.hidden_size
+    assert model.kept_attention_bytes(1000) == 1000 * per_token * 4  # float32 weights
+    assert model.to(torch.bfloat16).kept_attention_bytes(1000) == 1000 * per_token * 2
+
+
 def test_checkpointing_some_layers_gives_the_same_gradients_and_recomputes_only_those():
     ids = torch.randint(0, 512, (1, 30), generator=torch.Generator().manual_seed(4))
     grads, recomputed = [], []

@@ -228,8 +228,8 @@ def test_kernel_timing_backend_comparison_and_step_profile(workdir):
     result = run_command(
         [sys.executable, PRETRAIN] + smoke_overrides(
             workdir, run_dir, "train.steps=4", "benchmark.compare_backends=[torch,auto]", "benchmark.warmup_steps=0",
-            "train.activation_checkpointing=true", "logger.mode=offline", "train.export_hf=false",
-            "benchmark.profile_step=3",
+            "train.activation_checkpointing=true", "train.recompute_attention=auto", "logger.mode=offline",
+            "train.export_hf=false", "benchmark.profile_step=3",
         ),
         workdir,
     )
@@ -431,3 +431,16 @@ def test_gpu_idle_gaps_name_the_kernel_after_each_wait_and_its_launcher():
         torch.ones(4).add_(1)
     host = list(prof.events())
     assert gpu_idle_gaps(host + [kernel("gemm", 0, 1), kernel("gemm", 50, 60)], min_gap_us=20)[1] == 49e-6
+
+
+def test_auto_attention_keeps_as_many_layers_as_the_memory_holds():
+    from train.pretrain import attention_layers_to_keep
+
+    gib = 2**30
+    # 0.8B at 524288 tokens on an H200 (139.8 GiB): 89.6 GiB reserved recomputing, <= 12 GiB a kept layer
+    assert attention_layers_to_keep(89.6 * gib, 139.8 * gib, 12 * gib, 6) == 3
+    assert attention_layers_to_keep(40 * gib, 139.8 * gib, 3 * gib, 6) == 6      # all fit: capped at the layers
+    assert attention_layers_to_keep(80 * gib, 80 * gib, 3 * gib, 6) == 0         # already past the fraction
+    assert attention_layers_to_keep(10 * gib, 80 * gib, 3 * gib, 0) == 0
+    assert attention_layers_to_keep(10 * gib, 80 * gib, 3 * gib, 6, fraction=0.5) == 6
+    assert attention_layers_to_keep(10 * gib, 80 * gib, 10 * gib, 6, fraction=0.5) == 3
