@@ -444,3 +444,35 @@ def test_auto_attention_keeps_as_many_layers_as_the_memory_holds():
     assert attention_layers_to_keep(10 * gib, 80 * gib, 3 * gib, 0) == 0
     assert attention_layers_to_keep(10 * gib, 80 * gib, 3 * gib, 6, fraction=0.5) == 6
     assert attention_layers_to_keep(10 * gib, 80 * gib, 10 * gib, 6, fraction=0.5) == 3
+
+
+def test_auto_attention_decision_switches_the_model(monkeypatch):
+    """keep_attention_by_memory on a CUDA device (its memory faked): the tiny model's two checkpointed
+    attention layers, one of which fits; with context parallelism both keep recomputing."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from qwen_hybrid import QwenHybridConfig, QwenHybridForCausalLM
+    from train.pretrain import ATTENTION_KEEP_MEMORY_FRACTION, keep_attention_by_memory
+
+    model = QwenHybridForCausalLM(QwenHybridConfig.named("tiny", gdn_backend="torch"))
+    model.set_activation_checkpointing(True)
+    tokens = 4096
+    per_layer = model.kept_attention_bytes(tokens)
+    total = 100 * per_layer
+    peak = ATTENTION_KEEP_MEMORY_FRACTION * total - 1.5 * per_layer  # room for one layer, not two
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (total - peak, total))
+
+    def run(cp):
+        cfg = OmegaConf.create({"parallel": {"cp": cp}, "train": {"tokens_per_micro_batch": tokens}})
+        return SimpleNamespace(engine=SimpleNamespace(module=model), device=torch.device("cuda", 0), cfg=cfg,
+                               state=SimpleNamespace(step=2))
+
+    def kept():
+        return [a.checkpoint_around_attention for a in model._checkpointed_attention()]
+
+    keep_attention_by_memory(run(cp=2), SimpleNamespace(peak_reserved_gib=peak / 2**30))
+    assert kept() == [False, False]
+    keep_attention_by_memory(run(cp=1), SimpleNamespace(peak_reserved_gib=peak / 2**30))
+    assert kept() == [True, False]
