@@ -345,6 +345,19 @@ def test_slice_floor_grades_near_zero_references_on_the_tensor_scale():
     errors = sequence_head_errors(tokens * 1.01, tokens, seq_lens=(3, 0, 4))
     assert errors.errors[1].isnan().all() and errors.worst == pytest.approx(0.01)
 
+    # one number per token and head (dg, dbeta), a 1-token sequence first: graded against at least one
+    # typical entry, so an error of 1.5 % of one passes however small its own value, and a zeroed one fails
+    scalars = torch.randn(1, 401, 2, generator=gen, dtype=torch.float64)
+    typical = scalars.square().mean().sqrt()
+    scalars[0, 0] = torch.tensor([0.05, 0.5]) * typical
+    off = scalars.clone()
+    off[0, 0, 0] += 0.015 * typical  # 0.15 at 10 % of one entry, the floor before
+    errors = sequence_head_errors(off, scalars, seq_lens=(1, 400))
+    assert errors.errors[0, 0] == pytest.approx(0.015, rel=1e-2) and errors.worst < BOUNDS["dbeta"][1]
+    off[0, 0, 1] = 0.0
+    errors = sequence_head_errors(off, scalars, seq_lens=(1, 400))
+    assert errors.worst_index == (0, 1) and errors.worst == pytest.approx(0.5, rel=1e-2)
+
 
 def test_fla_ratio_and_determinism_checks_fail_when_they_should():
     gen = torch.Generator().manual_seed(0)
