@@ -117,9 +117,10 @@ class QwenHybridForCausalLM(nn.Module):
         checkpointed = count if layers is None else layers
         for index, layer in enumerate(self.model.layers):
             layer.checkpointed = bool(enabled) and index < checkpointed
-        self.keep_attention_tensors(0 if recompute_attention else len(self._checkpointed_attention()))
+        self.keep_attention_tensors(0 if recompute_attention else len(self.checkpointed_attention()))
 
-    def _checkpointed_attention(self) -> list:
+    def checkpointed_attention(self) -> list:
+        """The attention modules of the checkpointed layers, first to last."""
         return [layer.self_attn for layer in self.model.layers
                 if layer.layer_type == "full_attention" and layer.checkpointed]
 
@@ -127,7 +128,7 @@ class QwenHybridForCausalLM(nn.Module):
         """From the next forward on, the first `layers` checkpointed attention layers keep the attention
         kernel's tensors (what recompute_attention=False does for all of them) and the others recompute
         them. train.recompute_attention=auto calls this after the second step, with as many as fit."""
-        attention = self._checkpointed_attention()
+        attention = self.checkpointed_attention()
         if not (isinstance(layers, int) and 0 <= layers <= len(attention)):
             raise ValueError(f"layers must be an integer in [0, {len(attention)}] (the checkpointed attention "
                              f"layers), got {layers!r}")

@@ -540,7 +540,7 @@ def keep_attention_by_memory(run: Run, summary: StepSummary) -> None:
     keeps recomputing: its attention layers hold a head group's whole sequence, which the estimate
     leaves out."""
     model = run.engine.module
-    layers = len(model._checkpointed_attention())
+    layers = len(model.checkpointed_attention())
     if run.device.type != "cuda" or layers == 0:
         return
     if run.cfg.parallel.cp > 1:
@@ -643,6 +643,10 @@ def step_record(run: Run, lr: float, summary: StepSummary, grad_norm: float | No
         "peak_memory_gib": summary.peak_gib,  # the largest over ranks
         **({"peak_memory_reserved_gib": summary.peak_reserved_gib} if run.device.type == "cuda" else {}),
         "tokens_seen": run.state.tokens_seen,
+        # checkpointed attention layers keeping the kernel's tensors (train.recompute_attention)
+        **({"attention_layers_kept": sum(a.checkpoint_around_attention
+                                         for a in run.engine.module.checkpointed_attention())}
+           if run.cfg.train.activation_checkpointing else {}),
         "skipped_steps": run.engine.skipped_steps,
         "bad_step": bad,
         **run.instruments.record(run.state.step, timing),
