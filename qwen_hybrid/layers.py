@@ -352,14 +352,15 @@ class GatedAttention(nn.Module):
         # and the output in the backward but keep the attention kernel's inputs and outputs
         self.checkpoint_around_attention = False
 
-    # Head counts this module holds, from its parameter shapes (for inspection, as in GatedDeltaNet).
+    # Head counts this module holds, from its parameter shapes (for inspection, as in GatedDeltaNet);
+    # ZeRO-3 empties a parameter between its uses and keeps its shape as ds_shape.
     @property
     def num_heads(self) -> int:
-        return self.o_proj.weight.shape[1] // self.head_dim
+        return getattr(self.o_proj.weight, "ds_shape", self.o_proj.weight.shape)[1] // self.head_dim
 
     @property
     def num_kv_heads(self) -> int:
-        return self.k_proj.weight.shape[0] // self.head_dim
+        return getattr(self.k_proj.weight, "ds_shape", self.k_proj.weight.shape)[0] // self.head_dim
 
     def forward(self, x, cos, sin, documents: DocumentLayout | None = None) -> torch.Tensor:
         """x [B, T, hidden]; cos, sin [B, T, rotary_dim] for x's tokens (a slice's under context

@@ -117,6 +117,8 @@ class QwenHybridForCausalLM(nn.Module):
         checkpointed = count if layers is None else layers
         for index, layer in enumerate(self.model.layers):
             layer.checkpointed = bool(enabled) and index < checkpointed
+            if layer.layer_type == "full_attention":  # keep_attention_tensors sets the checkpointed ones
+                layer.self_attn.checkpoint_around_attention = False
         self.keep_attention_tensors(0 if recompute_attention else len(self.checkpointed_attention()))
 
     def checkpointed_attention(self) -> list:
@@ -137,13 +139,13 @@ class QwenHybridForCausalLM(nn.Module):
 
     def kept_attention_bytes(self, tokens: int) -> int:
         """Bytes one checkpointed attention layer of this rank keeps on top of recomputing when it keeps
-        the attention kernel's tensors, for a row of `tokens` tokens: set_activation_checkpointing's
-        T * (4 H + 2 Hkv) * d + 3 T * hidden elements in the model's dtype, with this rank's heads. An
-        upper bound: 3.0 GiB a layer for 0.8B at 131072 tokens, where keeping all six measured 13.8 GiB
-        (2.3 a layer) on the H200."""
+        the attention kernel's tensors, for a row of `tokens` tokens: T * 6 H * d + 3 T * hidden elements
+        in the model's dtype, with this rank's heads. That is set_activation_checkpointing's estimate
+        with k and v counted at the query heads, as a kernel without GQA keeps them (varlen_causal's
+        repeat), so that it bounds every attention path from above: 3.75 GiB a layer for 0.8B at 131072
+        tokens, where keeping all six measured 13.8 GiB (2.3 a layer) on the H200."""
         attention = next(layer.self_attn for layer in self.model.layers if layer.layer_type == "full_attention")
-        elements = tokens * ((4 * attention.num_heads + 2 * attention.num_kv_heads) * attention.head_dim
-                             + 3 * self.config.hidden_size)
+        elements = tokens * (6 * attention.num_heads * attention.head_dim + 3 * self.config.hidden_size)
         return elements * attention.o_proj.weight.element_size()
 
     def set_gdn_backend(self, backend: str) -> None:

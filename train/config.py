@@ -98,7 +98,7 @@ def validate_config(cfg: DictConfig) -> None:
     _integer("train.seed", train.seed, 0)
     _choice("train.precision", train.precision, PRECISIONS)
     _boolean("train.activation_checkpointing", train.activation_checkpointing)
-    if train.recompute_attention not in (True, False, "auto"):
+    if not (isinstance(train.recompute_attention, bool) or train.recompute_attention == "auto"):
         raise ConfigError(f"train.recompute_attention={train.recompute_attention!r}: expected true, false or auto")
     if train.checkpoint_layers is not None:
         _integer("train.checkpoint_layers", train.checkpoint_layers, 0)

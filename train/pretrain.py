@@ -314,7 +314,7 @@ def build_model(
             torch.set_default_dtype(previous_dtype)
         model = shard_model(model, parallel_groups, sequence_parallel=sequence_parallel)
     model = apply_context_parallel(model, parallel_groups)
-    # auto: the first step recomputes, then keep_attention_after_first_step decides
+    # auto: the first two steps recompute, then keep_attention_by_memory decides
     model.set_activation_checkpointing(cfg.train.activation_checkpointing,
                                        recompute_attention=cfg.train.recompute_attention is not False,
                                        layers=cfg.train.checkpoint_layers)
@@ -547,7 +547,11 @@ def keep_attention_by_memory(run: Run, summary: StepSummary) -> None:
         log.info("train.recompute_attention=auto: attention recomputed (context parallelism)")
         return
     per_layer = model.kept_attention_bytes(run.cfg.train.tokens_per_micro_batch)
-    total = torch.cuda.mem_get_info(run.device)[1]
+    total = float(torch.cuda.mem_get_info(run.device)[1])
+    if run.world_size > 1:  # the smallest GPU decides: ranks that kept different layers would differ in
+        smallest = torch.tensor(total, device=run.device)  # their backward's collectives under tp
+        dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
+        total = smallest.item()
     kept = attention_layers_to_keep(summary.peak_reserved_gib * 2**30, total, per_layer, layers)
     model.keep_attention_tensors(kept)
     log.info(f"train.recompute_attention=auto: {kept} of {layers} checkpointed attention layers keep the kernel's "

@@ -178,7 +178,7 @@ BOUNDS = {"o": (1e-2, 2e-2), "final_state": (5e-3, 1e-2), **{name: (1e-2, 2e-2) 
 # enough that bf16 storage of the states alone (tools/rounding_emulation.py, 2400 one-token slices, h0)
 # put 84 dbeta and 23 dg slices above 2 x 2e-2 at 10 % of n entries (worst 1.3e-1 and 7.5e-2) and none
 # at one entry. A zeroed or garbage slice still fails once its reference exceeds 0.2 % of typical
-# (4 % of one entry for the short ones).
+# (2 % of one entry for the short ones).
 SLICE_FLOOR = 0.1
 # Ours may be at most FLA_RATIO x FLA's error, errors below one rounding of the exact answer to the
 # inputs' dtype counted as that rounding: both libraries take bf16 inputs and bf16 tensor-core

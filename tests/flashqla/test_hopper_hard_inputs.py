@@ -357,6 +357,13 @@ def test_slice_floor_grades_near_zero_references_on_the_tensor_scale():
     off[0, 0, 1] = 0.0
     errors = sequence_head_errors(off, scalars, seq_lens=(1, 400))
     assert errors.worst_index == (0, 1) and errors.worst == pytest.approx(0.5, rel=1e-2)
+    # a long slice at 1 % of typical is graded against 10 % of its 400 entries' typical norm
+    scalars[0, 1:, 1] *= 0.01
+    zeroed = scalars.clone()
+    zeroed[0, 1:, 1] = 0.0
+    typical = scalars.square().mean().sqrt()
+    expected = scalars[0, 1:, 1].norm() / (0.1 * 20 * typical)
+    assert sequence_head_errors(zeroed, scalars, seq_lens=(1, 400)).errors[1, 1] == pytest.approx(expected.item())
 
 
 def test_fla_ratio_and_determinism_checks_fail_when_they_should():

@@ -224,16 +224,27 @@ def test_keeping_the_first_attention_layers_recomputes_only_the_others():
     with pytest.raises(ValueError, match=r"layers must be an integer in \[0, 2\].*got 3"):
         model.keep_attention_tensors(3)
     model.set_activation_checkpointing(True, layers=2)  # only the first attention layer is checkpointed
+    assert [layer.self_attn.checkpoint_around_attention for layer in model.model.layers[1::2]] == [False, False]
     with pytest.raises(ValueError, match=r"\[0, 1\]"):
         model.keep_attention_tensors(2)
+    model.keep_attention_tensors(1)
+    model.set_activation_checkpointing(False)  # nothing checkpointed: nothing keeps around its kernel
+    assert [layer.self_attn.checkpoint_around_attention for layer in model.model.layers[1::2]] == [False, False]
 
 
 def test_kept_attention_bytes_follow_the_heads_and_tokens():
     model = tiny_model()
     attention = model.model.layers[1].self_attn
-    per_token = (4 * attention.num_heads + 2 * attention.num_kv_heads) * attention.head_dim + 3 * model.config.hidden_size
+    per_token = 6 * attention.num_heads * attention.head_dim + 3 * model.config.hidden_size
     assert model.kept_attention_bytes(1000) == 1000 * per_token * 4  # float32 weights
     assert model.to(torch.bfloat16).kept_attention_bytes(1000) == 1000 * per_token * 2
+    # under ZeRO-3 a parameter is empty between its uses and keeps its shape as ds_shape
+    heads = (attention.num_heads, attention.num_kv_heads)
+    for linear in (attention.o_proj, attention.k_proj):
+        linear.weight.ds_shape = linear.weight.shape
+        linear.weight.data = torch.empty(0, dtype=linear.weight.dtype)
+    assert (attention.num_heads, attention.num_kv_heads) == heads
+    assert model.kept_attention_bytes(1000) == 1000 * per_token * 2
 
 
 def test_checkpointing_some_layers_gives_the_same_gradients_and_recomputes_only_those():

@@ -48,6 +48,7 @@ def test_schedule_dataset_and_resume_errors_name_their_key(tmp_path):
         (("train.activation_checkpointing=true", "train.checkpoint_layers=9"), "train.checkpoint_layers=9: model tiny has 4 layers"),
         (("model.gdn_keep_for_backward=states",), "model.gdn_keep_for_backward='states': expected one of [True, 'products', False]"),
         (("train.recompute_attention=sometimes",), "train.recompute_attention='sometimes': expected true, false or auto"),
+        (("train.recompute_attention=0",), "train.recompute_attention=0: expected true, false or auto"),
     ]
     for overrides, message in cases:
         with pytest.raises(ConfigError) as error:

@@ -415,7 +415,8 @@ def test_gpu_idle_gaps_name_the_kernel_after_each_wait_and_its_launcher():
                                time_range=SimpleNamespace(start=start, end=end))
 
     layer = op("QwenHybridForCausalLM", -10)
-    events = [layer, op("aten::mm", -5, ["gemm"]), op("aten::add", -4, ["overlapping", "add_kernel", "norm"]),
+    events = [layer, op("aten::mm", -5, ["gemm", "late_gemm"]),  # an earlier launch of late_gemm: not it
+              op("aten::add", -4, ["overlapping", "add_kernel", "norm"]),
               op("aten::mm", 460, ["late_gemm"], op("MmBackward0", 455, parent=layer)),
               op("aten::mul", 475, ["late_gemm"]),     # launched the same kernel after it started: not it
               kernel("gemm", 0, 100), kernel("overlapping", 50, 150),  # a second stream: no gap
@@ -468,7 +469,7 @@ def test_auto_attention_decision_switches_the_model(monkeypatch):
     def run(cp):
         cfg = OmegaConf.create({"parallel": {"cp": cp}, "train": {"tokens_per_micro_batch": tokens}})
         return SimpleNamespace(engine=SimpleNamespace(module=model), device=torch.device("cuda", 0), cfg=cfg,
-                               state=SimpleNamespace(step=2))
+                               state=SimpleNamespace(step=2), world_size=1)
 
     def kept():
         return [a.checkpoint_around_attention for a in model.checkpointed_attention()]
