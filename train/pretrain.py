@@ -559,6 +559,20 @@ def keep_attention_by_memory(run: Run, summary: StepSummary) -> None:
              f"GiB reserved of {total / 2**30:.1f}; up to {per_layer / 2**30:.2f} GiB a kept layer)")
 
 
+def out_of_memory_hint(run: Run, error: BaseException) -> str | None:
+    """What to change when the GPU ran out of memory with attention layers keeping their tensors
+    (train.recompute_attention=false, or auto's choice); None for other errors."""
+    if not isinstance(error, torch.cuda.OutOfMemoryError) or not run.cfg.train.activation_checkpointing:
+        return None
+    kept = sum(a.checkpoint_around_attention for a in run.engine.module.checkpointed_attention())
+    if kept == 0:
+        return None
+    chose = "auto kept" if run.cfg.train.recompute_attention == "auto" else "train.recompute_attention=false keeps"
+    return (f"out of memory at step {run.state.step + 1} while {chose} the attention kernel's tensors in {kept} "
+            f"layer(s): rerun with train.recompute_attention=true (train.resume=auto continues from the last "
+            f"checkpoint)")
+
+
 def checkpoint_due(train_cfg: DictConfig, step: int, exiting: bool) -> bool:
     periodic = train_cfg.checkpoint_every > 0 and step % train_cfg.checkpoint_every == 0
     return periodic or (exiting and train_cfg.checkpoint_at_exit)
@@ -619,7 +633,10 @@ def train_loop(run: Run) -> int:
                 log.info(f"\nstopped by signal at step {step}; last checkpoint: step {saved_step} in {run.run_dir}")
                 return 128 + (stop.signal_number or signal.SIGTERM)
         return finish(run, guard, saved_step)
-    except BaseException:
+    except BaseException as error:
+        hint = out_of_memory_hint(run, error)
+        if hint is not None:
+            log.error(hint)
         # With several ranks a failure may leave the others blocked in a collective, where saving
         # would hang; the last periodic checkpoint stays valid either way. Saved only where the
         # weights are those of state.step (an error inside the step leaves them unknown).

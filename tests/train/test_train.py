@@ -478,3 +478,28 @@ def test_auto_attention_decision_switches_the_model(monkeypatch):
     assert kept() == [False, False]
     keep_attention_by_memory(run(cp=1), SimpleNamespace(peak_reserved_gib=peak / 2**30))
     assert kept() == [True, False]
+
+
+def test_out_of_memory_with_kept_attention_names_the_setting():
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from qwen_hybrid import QwenHybridConfig, QwenHybridForCausalLM
+    from train.pretrain import out_of_memory_hint
+
+    model = QwenHybridForCausalLM(QwenHybridConfig.named("tiny", gdn_backend="torch"))
+    model.set_activation_checkpointing(True)
+
+    def run(recompute_attention):
+        cfg = OmegaConf.create({"train": {"activation_checkpointing": True, "recompute_attention": recompute_attention}})
+        return SimpleNamespace(engine=SimpleNamespace(module=model), cfg=cfg, state=SimpleNamespace(step=4))
+
+    oom = torch.cuda.OutOfMemoryError("CUDA out of memory")
+    assert out_of_memory_hint(run("auto"), oom) is None  # every attention layer recomputes: not the cause
+    model.keep_attention_tensors(1)
+    assert out_of_memory_hint(run("auto"), oom).startswith(
+        "out of memory at step 5 while auto kept the attention kernel's tensors in 1 layer(s): rerun with "
+        "train.recompute_attention=true")
+    assert "train.recompute_attention=false keeps" in out_of_memory_hint(run(False), oom)
+    assert out_of_memory_hint(run("auto"), RuntimeError("another error")) is None
