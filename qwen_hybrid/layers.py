@@ -117,6 +117,12 @@ class GatedRMSNorm(nn.Module):
 _fused_conv1d_silu = fused(causal_conv1d_silu_torch, checkpointed=True)
 
 
+def held_shape(parameter: torch.Tensor) -> torch.Size:
+    """The shape of the parameter this rank holds, also where ZeRO-3 has emptied it between its uses
+    (it keeps the shape as ds_shape)."""
+    return getattr(parameter, "ds_shape", parameter.shape)
+
+
 def positions_in_documents(length: int, cu_seqlens: torch.Tensor | None, device) -> torch.Tensor:
     """[length] int64: each token's position in its document of `cu_seqlens` (0.. length - 1 without)."""
     positions = torch.arange(length, device=device)
@@ -240,10 +246,10 @@ class GatedDeltaNet(nn.Module):
         self.head_exchange = None  # context parallelism (module docstring)
 
     # Head counts this module holds, from its parameter shapes (for inspection: forward reads them
-    # from its projections' outputs, which also holds where ZeRO-3 has emptied the parameters).
+    # from its projections' outputs).
     @property
     def num_v_heads(self) -> int:
-        return self.A_log.shape[0]
+        return held_shape(self.A_log)[0]
 
     @property
     def num_k_heads(self) -> int:
@@ -352,15 +358,15 @@ class GatedAttention(nn.Module):
         # and the output in the backward but keep the attention kernel's inputs and outputs
         self.checkpoint_around_attention = False
 
-    # Head counts this module holds, from its parameter shapes (for inspection, as in GatedDeltaNet);
-    # ZeRO-3 empties a parameter between its uses and keeps its shape as ds_shape.
+    # Head counts this module holds, from its parameter shapes (as in GatedDeltaNet; the training
+    # loop's memory estimate reads them).
     @property
     def num_heads(self) -> int:
-        return getattr(self.o_proj.weight, "ds_shape", self.o_proj.weight.shape)[1] // self.head_dim
+        return held_shape(self.o_proj.weight)[1] // self.head_dim
 
     @property
     def num_kv_heads(self) -> int:
-        return getattr(self.k_proj.weight, "ds_shape", self.k_proj.weight.shape)[0] // self.head_dim
+        return held_shape(self.k_proj.weight)[0] // self.head_dim
 
     def forward(self, x, cos, sin, documents: DocumentLayout | None = None) -> torch.Tensor:
         """x [B, T, hidden]; cos, sin [B, T, rotary_dim] for x's tokens (a slice's under context

@@ -137,6 +137,10 @@ class QwenHybridForCausalLM(nn.Module):
         for index, module in enumerate(attention):
             module.checkpoint_around_attention = index < layers
 
+    def kept_attention_layers(self) -> int:
+        """How many checkpointed attention layers keep the attention kernel's tensors now."""
+        return sum(module.checkpoint_around_attention for module in self.checkpointed_attention())
+
     def kept_attention_bytes(self, tokens: int) -> int:
         """Bytes one checkpointed attention layer of this rank keeps on top of recomputing when it keeps
         the attention kernel's tensors, for a row of `tokens` tokens: T * 6 H * d + 3 T * hidden elements

@@ -564,7 +564,7 @@ def out_of_memory_hint(run: Run, error: BaseException) -> str | None:
     (train.recompute_attention=false, or auto's choice); None for other errors."""
     if not isinstance(error, torch.cuda.OutOfMemoryError) or not run.cfg.train.activation_checkpointing:
         return None
-    kept = sum(a.checkpoint_around_attention for a in run.engine.module.checkpointed_attention())
+    kept = run.engine.module.kept_attention_layers()
     if kept == 0:
         return None
     chose = "auto kept" if run.cfg.train.recompute_attention == "auto" else "train.recompute_attention=false keeps"
@@ -665,8 +665,7 @@ def step_record(run: Run, lr: float, summary: StepSummary, grad_norm: float | No
         **({"peak_memory_reserved_gib": summary.peak_reserved_gib} if run.device.type == "cuda" else {}),
         "tokens_seen": run.state.tokens_seen,
         # checkpointed attention layers keeping the kernel's tensors (train.recompute_attention)
-        **({"attention_layers_kept": sum(a.checkpoint_around_attention
-                                         for a in run.engine.module.checkpointed_attention())}
+        **({"attention_layers_kept": run.engine.module.kept_attention_layers()}
            if run.cfg.train.activation_checkpointing else {}),
         "skipped_steps": run.engine.skipped_steps,
         "bad_step": bad,

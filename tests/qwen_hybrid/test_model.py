@@ -245,6 +245,11 @@ def test_kept_attention_bytes_follow_the_heads_and_tokens():
         linear.weight.data = torch.empty(0, dtype=linear.weight.dtype)
     assert (attention.num_heads, attention.num_kv_heads) == heads
     assert model.kept_attention_bytes(1000) == 1000 * per_token * 2
+    gdn = model.model.layers[0].linear_attn
+    heads = (gdn.num_v_heads, gdn.num_k_heads)
+    gdn.A_log.ds_shape = gdn.A_log.shape
+    gdn.A_log.data = torch.empty(0, dtype=gdn.A_log.dtype)
+    assert (gdn.num_v_heads, gdn.num_k_heads) == heads
 
 
 def test_kept_attention_bytes_bound_what_keeping_the_attention_tensors_keeps(monkeypatch):
