@@ -165,13 +165,12 @@ heads, lens = sys.argv[1].split(":"); heads = tuple(map(int, heads.split("/")));
 print(first_call_s(implementations([])["ours"], make_inputs(heads, lens)))' "${NCU_SHAPE:-16/64:8192}"
         step ncu-source-page 60 20 bash -c 'ncu -i "$0/ncu-source.ncu-rep" --page source --print-source sass --csv \
             > "$0/ncu-source.csv" && '"$PYTHON"' tools/ncu_top_stalls.py "$0/ncu-source.csv"' "$OUT"
-        # the same samples by line of the generated CUDA: which role's loop each wait is in
-        step ncu-source-lines 60 20 bash -c 'ncu -i "$0/ncu-source.ncu-rep" --page source --print-source cuda --csv \
-            > "$0/ncu-source-cuda.csv" && '"$PYTHON"' tools/ncu_top_stalls.py --cuda "$0/ncu-source-cuda.csv"' "$OUT"
-        # The CUDA page came back without metric columns (twenty-first session): the correlated CUDA + SASS
-        # page, raw, to read here
-        step ncu-source-mixed 60 20 bash -c 'ncu -i "$0/ncu-source.ncu-rep" --page source --print-source cuda,sass \
-            --csv > "$0/ncu-source-cuda-sass.csv"; head -c 400 "$0/ncu-source-cuda-sass.csv"' "$OUT"
+        # the same samples by line of the generated CUDA: which role's loop each wait is in. The CUDA-only
+        # page came back without metric columns (twenty-first session), so this asks for the correlated
+        # CUDA + SASS page; the file comes back raw even where the parser does not read its format.
+        step ncu-source-lines 60 20 bash -c 'ncu -i "$0/ncu-source.ncu-rep" --page source --print-source cuda,sass \
+            --csv > "$0/ncu-source-cuda-sass.csv"; head -c 400 "$0/ncu-source-cuda-sass.csv"; echo; \
+            '"$PYTHON"' tools/ncu_top_stalls.py --cuda "$0/ncu-source-cuda-sass.csv"' "$OUT"
         ;;
     tests-model)
         # the conv kernel, the loss's compiled passes and the model's GPU tests (a quicker subset of tests)
