@@ -3,7 +3,7 @@ and side-by-side timings of kernel variants (--compare).
 
     python -m flashqla.bench [--fwd] [--bwd] [--json PATH] [--shapes SUBSTR,...] [--baselines fla,flashqla]
                              [--time-budget SECONDS] [--breakdown] [--model]
-    python -m flashqla.bench --compare [keep_forward,conv,inverse,chunk_grads_l2norm,forward_halves]
+    python -m flashqla.bench --compare [keep_forward,conv,inverse,chunk_grads_l2norm]
                              [--json PATH]
 
 Each library is called the way its users call it: ours through `flashqla.chunk_gated_delta_rule`
@@ -39,8 +39,7 @@ ratios (timings live here, not in the GPU tests, so a busy machine cannot fail a
   the kernel's backward with 256-token blocks against 128 and 64;
 - inverse: the chunks' inverse A~ against FlashQLA's kkt_solve;
 - chunk_grads_l2norm: the chunk gradients then the L2 norm's backward kernel against the chunk
-  gradients with the norm's backward in their epilogues (backward.py picks by head layout);
-- forward_halves: the forward walk against its candidate with the state's column halves as two chains.
+  gradients with the norm's backward in their epilogues (backward.py picks by head layout).
 """
 from __future__ import annotations
 
@@ -476,59 +475,8 @@ def compare_inverse(rep_ms: int):
         yield name, times
 
 
-def compare_forward_halves(rep_ms: int):
-    """The forward walk (fused_forward.py) against its candidate whose state walks as two chains of 64
-    columns in turn (`split_state`), storing nothing and everything (what the model keeps), on the
-    forward's own gamma, A~ and plan (shapes whose plan walks whole 128-wide V blocks, the only ones the
-    candidate runs). Raises where the candidate's o, final state or chunk states are more than 1e-2
-    (relative L2) from the walk's, or where its stored Ab and P are not bitwise the walk's."""
-    from flashqla.hopper.chunk_plan import device_sm_count, plan_forward
-    from flashqla.hopper.cumsum import chunk_local_cumsum
-    from flashqla.hopper.fused_forward import MAX_VALUE_BLOCK, fused_forward
-    from flashqla.hopper.inverse import chunk_inverse
-    from flashqla.hopper.walk_bounds import walk_bounds
-    from flashqla.testing import relative_error
-
-    keeps = {"nothing": (False, False), "everything": (True, True)}
-    shapes = INVERSE_SHAPES + [("16/32 1x32768", (16, 32), [32768]), ("16/48 8192x4", (16, 48), [8192] * 4),
-                               ("16/32 8192x4", (16, 32), [8192] * 4), ("8/24 1x32768", (8, 24), [32768]),
-                               ("16/16 ragged", (16, 16), [1000, 0, 64, 2047, 1, 129, 640])]
-    for name, heads, seq_lens in shapes:
-        x = make_inputs(heads, seq_lens)
-        q, k, v, g, beta, cu = x["q"][0], x["k"][0], x["v"][0], x["g"][0], x["beta"][0], x["cu_seqlens"]
-        plan = plan_forward(cu, heads[1], 128, device_sm_count(q.device), MAX_VALUE_BLOCK,
-                            host_bounds=x["cu_seqlens_cpu"].tolist())
-        if plan.value_block != 128:
-            print(f"forward_halves {name}: the plan splits V into {plan.value_block}-wide blocks, skipped", flush=True)
-            continue
-        gamma = chunk_local_cumsum(g.unsqueeze(0), cu, chunk_index=plan.chunk_index).view(g.shape)
-        inverse = chunk_inverse(k, beta, cu, plan.chunk_index)
-        walk = walk_bounds(gamma, plan.pieces, cu, ahead=False)
-
-        def run(split_state, keep):
-            return fused_forward(q, k, v, gamma, beta, inverse, 128 ** -0.5, x["initial_state"], cu,
-                                 plan.value_block, plan.pieces, walk, store_chunk_states=keep[0],
-                                 store_products=keep[1], offsets=plan.chunk_offsets,
-                                 num_chunks=plan.chunk_index.shape[0], split_state=split_state)
-
-        walk_out, candidate_out = run(False, keeps["everything"]), run(True, keeps["everything"])
-        errors = [float(relative_error(b, a)) for a, b in zip(walk_out[:3], candidate_out[:3])]
-        if not max(errors) <= 1e-2:  # also catches NaN
-            raise AssertionError(f"forward_halves {name}: the candidate's o, final state, chunk states are "
-                                 f"{errors} from the walk's")
-        if not all(torch.equal(a, b) for a, b in zip(walk_out[3:], candidate_out[3:])):
-            raise AssertionError(f"forward_halves {name}: the candidate's Ab or P differ from the walk's")
-        print(f"forward_halves {name}: candidate o, final state, chunk states {errors[0]:.2e}, {errors[1]:.2e}, "
-              f"{errors[2]:.2e} from the walk's", flush=True)
-        times = {}
-        for label, keep in keeps.items():
-            times[f"walk, {label}"] = _median_ms(lambda: run(False, keep), rep_ms)
-            times[f"halves, {label}"] = _median_ms(lambda: run(True, keep), rep_ms)
-        yield name, times
-
-
 COMPARISONS = {"keep_forward": compare_keep_forward, "conv": compare_conv, "inverse": compare_inverse,
-               "chunk_grads_l2norm": compare_chunk_grads_l2norm, "forward_halves": compare_forward_halves}
+               "chunk_grads_l2norm": compare_chunk_grads_l2norm}
 
 
 def run_comparisons(names: list[str], rep_ms: int, json_path: str | None) -> None:

@@ -176,8 +176,6 @@ def compile_walks() -> None:
         for value_block in (32, 64, 128):
             for states, products in keeps:
                 compile_fused_forward(value_block, dtype, beta_dtype, 128, states, products)
-                if value_block == 128:  # the candidate (tests/flashqla/test_hopper_forward_candidate.py)
-                    compile_fused_forward(value_block, dtype, beta_dtype, 128, states, products, split_state=True)
     print(f"ours, walks: {time.time() - started:.0f} s", flush=True)
 
 

@@ -25,7 +25,6 @@ COMPILE_CHECKS = [
     ("chunk_inverse", lambda: compile_inverse()),
     ("fused_forward", lambda: compile_fused_forward(64)),
     ("fused_forward_keeping_all", lambda: compile_fused_forward(128, store_chunk_states=True, store_products=True)),
-    ("fused_forward_split_state", lambda: compile_fused_forward(128, split_state=True)),  # candidate
     ("chunk_states", lambda: compile_chunk_states(64, with_transition=True)),
     ("backward_state_grads", lambda: compile_state_grads(32)),
     ("backward_state_grads_pieces", lambda: compile_state_grads(64, pieces=True)),

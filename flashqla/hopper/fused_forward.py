@@ -60,20 +60,12 @@ def _register_split(value_block: int) -> tuple[int, int]:
     other two: 4 x 128 threads must fit the SM's 64K. S alone takes BV of the state warpgroup's; the
     producer spills below 56 at BV <= 64 (ptxas, sm_90a)."""
     return (40, 168) if value_block > 64 else (56, 152)
-
-
 MAX_VALUE_BLOCK = 128
-# split_state's (producer, state, delta, output warpgroup) registers, 4 x 128 threads in 64K: warpgroup 1
-# holds both halves of Delta and -Y at once (X reads V before -Y takes its place), warpgroup 2 one half
-# of O at a time; the producer, with two V loads, spills below 64 (ptxas, sm_90a: no spills at these).
-_SPLIT_REGISTERS = (64, 168, 168, 112)
 
 
 def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype: str = "float32",
                                  head_dim: int = HEAD_DIM, store_chunk_states: bool = False,
-                                 store_products: bool = False, split_state: bool = False):
-    """split_state (candidate, value_block = 128 only): the state's two 64-column halves walk as two
-    chains in turn, so that one half's update runs while the other half's Delta is made (below)."""
+                                 store_products: bool = False):
     num_tokens = T.dynamic("num_tokens")
     num_sequences = T.dynamic("num_sequences")
     num_pieces = T.dynamic("num_pieces")
@@ -84,13 +76,7 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
     K = head_dim
     BV = value_block
     value_blocks = head_dim // BV
-    if split_state and BV != head_dim:
-        raise ValueError(f"fused_forward_program: split_state needs value_block={head_dim}, got {BV}")
     producer_registers, state_registers = _register_split(BV)
-    if split_state:
-        producer_registers = _SPLIT_REGISTERS[0]
-    H = BV // 2  # a half's columns under split_state
-    HALVES = (0, 1)  # a Python tuple: its loops unroll as the kernel is built (a range would become a TIR loop)
     # Producer warps arrive on `tiles_full`; every consumer thread and the store warp on `tiles_free`.
     loader_threads = 3 * 32
     reader_threads = 3 * WARPGROUP + 32
@@ -274,244 +260,6 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
                         scores[left + t, cta.head, s] = sh.p[stage, t, s]
             T.barrier_arrive(sh.tiles_free[stage])
 
-
-    # split_state: the same walk with the state's column halves h = 0, 1 as two chains. Columns of the
-    # state never mix (every product acts on them alike), so half h's Delta waits only for half h's S0,
-    # and warpgroup 0 adds half 0's update while warpgroup 1 makes half 1's Delta. The state-side
-    # barriers and buffers are per half; the tiles stay per stage. -Y goes into the chunk's V tiles
-    # once X = Ab V has read them (its two K-halves into the two V halves).
-    @T.macro
-    def split_state_warpgroup(sh, cta, initial_state, final_state):
-        """Warpgroup 0 under split_state: updates half h of chunk c, then hands out half h of chunk c + 1."""
-        T.set_max_nreg(_SPLIT_REGISTERS[1], 1)
-        halves = [T.alloc_fragment((K, H), "float32") for _ in range(2)]
-        chunk_decay = T.alloc_var("float32")
-        for h in HALVES:
-            if cta.use_initial_state != 0 and cta.walk == cta.seq_start:
-                T.copy(initial_state[cta.sequence, cta.head, 0:K, cta.v0 + h * H:cta.v0 + (h + 1) * H], halves[h])
-            else:
-                T.clear(halves[h])
-        if cta.n_chunks > 0:
-            for h in HALVES:
-                T.copy(halves[h], sh.states[h])
-                T.fence_proxy_async()
-                T.barrier_arrive(sh.state_ready[h])
-        for c in T.serial(cta.n_chunks):
-            stage = c % 2
-            T.barrier_wait(sh.tiles_full[stage], (c // 2) % 2)
-            T.barrier_wait(sh.decays_ready[stage], (c // 2) % 2)
-            chunk_decay = sh.row_decay[stage, _C - 1]
-            for h in HALVES:
-                for i, j in T.Parallel(K, H):
-                    halves[h][i, j] = halves[h][i, j] * chunk_decay
-                T.barrier_wait(sh.delta_ready[h], c % 2)
-                T.gemm(sh.k[stage, :, :], sh.decayed_deltas[h], halves[h], transpose_A=True)
-                if c + 1 < cta.n_chunks:
-                    T.barrier_wait(sh.state_free[h], c % 2)
-                    T.copy(halves[h], sh.states[h])
-                    T.fence_proxy_async()
-                    T.barrier_arrive(sh.state_ready[h])
-            T.barrier_arrive(sh.tiles_free[stage])
-        if cta.ends_sequence != 0:
-            for h in HALVES:
-                T.copy(halves[h], final_state[cta.sequence, cta.head, 0:K, cta.v0 + h * H:cta.v0 + (h + 1) * H])
-
-    @T.macro
-    def split_delta_warpgroup(sh, cta):
-        """Warpgroup 1 under split_state: the decays, Ab, X and -Y as in delta_warpgroup; then per half
-        Delta_h = X_h - Y S0_h and E Delta_h."""
-        T.set_max_nreg(_SPLIT_REGISTERS[2], 1)
-        deltas = [T.alloc_fragment((_C, H), "float32") for _ in range(2)]
-        neg_y = T.alloc_fragment((_C, K), "float32")
-        decayed_ab = T.alloc_fragment((_C, _C), dtype)
-        ab = T.alloc_fragment((_C, _C), "float32")
-        for c in T.serial(cta.n_chunks):
-            stage = c % 2
-            last = T.min(cta.end - (cta.walk + c * _C), _C) - 1
-            T.barrier_wait(sh.tiles_full[stage], (c // 2) % 2)
-            for t in T.Parallel(_C):
-                sh.row_decay[stage, t] = T.exp2(sh.gamma[stage, t])
-                sh.end_decay[stage, t] = T.if_then_else(
-                    t <= last, T.exp2(sh.gamma[stage, _C - 1] - sh.gamma[stage, t]), 0.0)
-            T.barrier_arrive(sh.decays_ready[stage])
-            T.barrier_wait(sh.decays_ready[stage], (c // 2) % 2)
-            T.copy(sh.a[stage, :, :], decayed_ab)
-            T.copy(sh.a[stage, :, :], ab)
-            for t, s in T.Parallel(_C, _C):
-                decayed_ab[t, s] = T.if_then_else(
-                    s <= t, -sh.row_decay[stage, t] * sh.beta[stage, s] * decayed_ab[t, s], 0.0)
-            for t, s in T.Parallel(_C, _C):
-                ab[t, s] = T.if_then_else(
-                    s <= t, T.exp2(sh.gamma[stage, t] - sh.gamma[stage, s]) * sh.beta[stage, s] * ab[t, s], 0.0)
-            T.copy(ab, sh.a[stage, :, :])
-            T.fence_proxy_async()
-            T.gemm(decayed_ab, sh.k[stage, :, :], neg_y, clear_accum=True)
-            for h in HALVES:
-                T.gemm(sh.a[stage, :, :], sh.v_halves[h][stage, :, :], deltas[h], clear_accum=True)
-            # X has read V: its tiles take -Y, rows of the state 0:H into V half 0, H:K into half 1
-            for h in HALVES:
-                T.copy(neg_y[:, h * H:(h + 1) * H], sh.v_halves[h][stage, :, :])
-            T.fence_proxy_async()
-            for h in HALVES:
-                T.barrier_wait(sh.state_ready[h], c % 2)
-                T.gemm(sh.v_halves[0][stage, :, :], sh.states[h][0:H, :], deltas[h])
-                T.gemm(sh.v_halves[1][stage, :, :], sh.states[h][H:K, :], deltas[h])
-                if c > 0:
-                    T.barrier_wait(sh.delta_free[h], (c - 1) % 2)
-                T.copy(deltas[h], sh.deltas[h])
-                for t, j in T.Parallel(_C, H):
-                    deltas[h][t, j] = deltas[h][t, j] * sh.end_decay[stage, t]
-                T.copy(deltas[h], sh.decayed_deltas[h])
-                T.fence_proxy_async()
-                T.barrier_arrive(sh.delta_ready[h])
-            T.barrier_arrive(sh.tiles_free[stage])
-
-    @T.macro
-    def split_output_warpgroup(sh, cta):
-        """Warpgroup 2 under split_state: P, then per half O_h = scale D Q S0_h + P Delta_h."""
-        T.set_max_nreg(_SPLIT_REGISTERS[3], 0)  # below the 128 a thread starts with
-        qk = T.alloc_fragment((_C, _C), "float32")
-        outs = [T.alloc_fragment((_C, H), "float32") for _ in range(2)]
-        for c in T.serial(cta.n_chunks):
-            stage = c % 2
-            T.barrier_wait(sh.tiles_full[stage], (c // 2) % 2)
-            T.gemm(sh.q[stage, :, :], sh.k[stage, :, :], qk, transpose_B=True, clear_accum=True)
-            for t, s in T.Parallel(_C, _C):
-                sh.p[stage, t, s] = T.if_then_else(
-                    s <= t, T.exp2(sh.gamma[stage, t] - sh.gamma[stage, s]) * cta.scale * qk[t, s], 0.0)
-            T.fence_proxy_async()
-            T.barrier_wait(sh.decays_ready[stage], (c // 2) % 2)
-            for h in HALVES:
-                T.barrier_wait(sh.state_ready[h], c % 2)
-                T.gemm(sh.q[stage, :, :], sh.states[h], outs[h], clear_accum=True)
-                T.barrier_arrive(sh.state_free[h])
-                for t, j in T.Parallel(_C, H):
-                    outs[h][t, j] = outs[h][t, j] * (sh.row_decay[stage, t] * cta.scale)
-                T.barrier_wait(sh.delta_ready[h], c % 2)
-                T.gemm(sh.p[stage, :, :], sh.deltas[h], outs[h])
-                T.barrier_arrive(sh.delta_free[h])
-                if c > 0:
-                    T.barrier_wait(sh.o_free[h], (c - 1) % 2)
-                T.copy(outs[h], sh.o_halves[h])
-                T.fence_proxy_async()
-                T.barrier_arrive(sh.o_ready[h])
-            T.barrier_arrive(sh.tiles_free[stage])
-
-    @T.macro
-    def split_load_v_beta(sh, cta, v, beta):
-        for c in T.serial(cta.n_chunks):
-            stage = c % 2
-            left = cta.walk + c * _C
-            last = T.min(cta.end - left, _C) - 1
-            T.barrier_wait(sh.tiles_free[stage], (c // 2 + 1) % 2)
-            for h in HALVES:
-                T.tma_copy(v[left:left + _C, cta.head, cta.v0 + h * H:cta.v0 + (h + 1) * H],
-                           sh.v_halves[h][stage, :, :], barrier=sh.tiles_full[stage])
-            for t in T.Parallel(_C):
-                sh.beta[stage, t] = T.cast(beta[left + T.min(t, last), cta.head], "float32")
-            T.barrier_arrive(sh.tiles_full[stage])
-
-    @T.macro
-    def split_store_outputs(sh, cta, o, chunk_states, gated_inverse, scores):
-        """The store warp under split_state: per half the chunk state and o, then Ab and P."""
-        for c in T.serial(cta.n_chunks):
-            stage = c % 2
-            left = cta.walk + c * _C
-            last = T.min(cta.end - left, _C) - 1
-            own = left >= cta.piece_start
-            for h in HALVES:
-                T.barrier_wait(sh.state_ready[h], c % 2)
-                if store_chunk_states and own:
-                    T.copy(sh.states[h], chunk_states[cta.first_chunk + (left - cta.seq_start) // _C, cta.head,
-                                                      0:K, cta.v0 + h * H:cta.v0 + (h + 1) * H])
-                T.barrier_arrive(sh.state_free[h])
-            for h in HALVES:
-                T.barrier_wait(sh.o_ready[h], c % 2)
-                if own and left + _C <= cta.end:
-                    T.copy(sh.o_halves[h], o[left:left + _C, cta.head, cta.v0 + h * H:cta.v0 + (h + 1) * H])
-                if own and left + _C > cta.end:
-                    for t, j in T.Parallel(_C, H):
-                        if t <= last:
-                            o[left + t, cta.head, cta.v0 + h * H + j] = sh.o_halves[h][t, j]
-                T.barrier_arrive(sh.o_free[h])
-            if store_products and own and left + _C <= cta.end:
-                T.copy(sh.a[stage, :, :], gated_inverse[left:left + _C, cta.head, 0:_C])
-                T.copy(sh.p[stage, :, :], scores[left:left + _C, cta.head, 0:_C])
-            if store_products and own and left + _C > cta.end:
-                for t, s in T.Parallel(_C, _C):
-                    if t <= last:
-                        gated_inverse[left + t, cta.head, s] = sh.a[stage, t, s]
-                        scores[left + t, cta.head, s] = sh.p[stage, t, s]
-            T.barrier_arrive(sh.tiles_free[stage])
-
-    def shared_buffers():
-        """The CTA's shared buffers and barriers (called inside the kernel)."""
-        if split_state:
-            return SimpleNamespace(
-                q=T.alloc_shared((2, _C, K), dtype),
-                k=T.alloc_shared((2, _C, K), dtype),
-                # V's column halves; -Y's row halves once X has read them
-                v_halves=[T.alloc_shared((2, _C, H), dtype) for _ in range(2)],
-                a=T.alloc_shared((2, _C, _C), dtype),
-                gamma=T.alloc_shared((2, _C), "float32"),
-                beta=T.alloc_shared((2, _C), "float32"),
-                p=T.alloc_shared((2, _C, _C), dtype),
-                row_decay=T.alloc_shared((2, _C), "float32"),
-                end_decay=T.alloc_shared((2, _C), "float32"),
-                states=[T.alloc_shared((K, H), dtype) for _ in range(2)],
-                deltas=[T.alloc_shared((_C, H), dtype) for _ in range(2)],
-                decayed_deltas=[T.alloc_shared((_C, H), dtype) for _ in range(2)],
-                o_halves=[T.alloc_shared((_C, H), dtype) for _ in range(2)],
-                tiles_full=T.alloc_barrier(arrive_count=[loader_threads] * 2),
-                tiles_free=T.alloc_barrier(arrive_count=[reader_threads] * 2),
-                decays_ready=T.alloc_barrier(arrive_count=[WARPGROUP] * 2),
-                # per half, each completing once a chunk
-                state_ready=T.alloc_barrier(arrive_count=[WARPGROUP] * 2),
-                state_free=T.alloc_barrier(arrive_count=[WARPGROUP + 32] * 2),
-                delta_ready=T.alloc_barrier(arrive_count=[WARPGROUP] * 2),
-                delta_free=T.alloc_barrier(arrive_count=[WARPGROUP] * 2),
-                o_ready=T.alloc_barrier(arrive_count=[WARPGROUP] * 2),
-                o_free=T.alloc_barrier(arrive_count=[32] * 2),
-            )
-        return SimpleNamespace(
-            # Double-buffered: filled by the producer warps for chunk c into stage c % 2, or written
-            # in chunk c by the warpgroups; refilled only after every role released the stage.
-            q=T.alloc_shared((2, _C, K), dtype),
-            k=T.alloc_shared((2, _C, K), dtype),
-            v=T.alloc_shared((2, _C, BV), dtype),
-            a=T.alloc_shared((2, _C, _C), dtype),           # A~, then Ab in place
-            gamma=T.alloc_shared((2, _C), "float32"),       # log2 units, clamped past the end
-            beta=T.alloc_shared((2, _C), "float32"),
-            p=T.alloc_shared((2, _C, _C), dtype),
-            row_decay=T.alloc_shared((2, _C), "float32"),
-            end_decay=T.alloc_shared((2, _C), "float32"),
-            # Single: each has a *_free barrier its next writer waits on (E Delta's: state_ready).
-            state=T.alloc_shared((K, BV), dtype),
-            delta=T.alloc_shared((_C, BV), dtype),
-            decayed_delta=T.alloc_shared((_C, BV), dtype),
-            o=T.alloc_shared((_C, BV), dtype),
-            # -Y (warpgroup 1) where Delta's buffer is too narrow for it
-            neg_y=T.alloc_shared((_C, K), dtype) if BV < K else None,
-            # Per stage, so that one completes once per two chunks, after all its waiters of the
-            # chunk before released the stage (tiles_free): no waiter can miss a phase.
-            tiles_full=T.alloc_barrier(arrive_count=[loader_threads] * 2),
-            tiles_free=T.alloc_barrier(arrive_count=[reader_threads] * 2),
-            state_ready=T.alloc_barrier(arrive_count=[WARPGROUP] * 2),
-            state_free=T.alloc_barrier(arrive_count=[WARPGROUP + 32] * 2),   # warpgroup 2, store warp
-            decays_ready=T.alloc_barrier(arrive_count=[WARPGROUP] * 2),
-            delta_ready=T.alloc_barrier(arrive_count=[WARPGROUP] * 2),
-            delta_free=T.alloc_barrier(arrive_count=[WARPGROUP] * 2),
-            o_ready=T.alloc_barrier(arrive_count=[WARPGROUP] * 2),
-            o_free=T.alloc_barrier(arrive_count=[32] * 2),
-        )
-
-    if split_state:
-        state_role, delta_role, output_role = split_state_warpgroup, split_delta_warpgroup, split_output_warpgroup
-        v_loader, storer = split_load_v_beta, split_store_outputs
-    else:
-        state_role, delta_role, output_role = state_warpgroup, delta_warpgroup, output_warpgroup
-        v_loader, storer = load_v_beta, store_outputs
-
     @T.prim_func
     def fused_forward_kernel(
         q: T.Tensor((num_tokens, num_qk_heads, K), dtype),
@@ -541,24 +289,54 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
                 piece_start=pieces[piece, 1], end=pieces[piece, 2], ends_sequence=pieces[piece, 3], walk=walk,
                 n_chunks=T.ceildiv(pieces[piece, 2] - walk, _C), first_chunk=chunk_offsets[sequence],
                 seq_start=cu_seqlens[sequence], scale=scale, use_initial_state=use_initial_state)
-            sh = shared_buffers()
+            sh = SimpleNamespace(
+                # Double-buffered: filled by the producer warps for chunk c into stage c % 2, or written
+                # in chunk c by the warpgroups; refilled only after every role released the stage.
+                q=T.alloc_shared((2, _C, K), dtype),
+                k=T.alloc_shared((2, _C, K), dtype),
+                v=T.alloc_shared((2, _C, BV), dtype),
+                a=T.alloc_shared((2, _C, _C), dtype),           # A~, then Ab in place
+                gamma=T.alloc_shared((2, _C), "float32"),       # log2 units, clamped past the end
+                beta=T.alloc_shared((2, _C), "float32"),
+                p=T.alloc_shared((2, _C, _C), dtype),
+                row_decay=T.alloc_shared((2, _C), "float32"),
+                end_decay=T.alloc_shared((2, _C), "float32"),
+                # Single: each has a *_free barrier its next writer waits on (E Delta's: state_ready).
+                state=T.alloc_shared((K, BV), dtype),
+                delta=T.alloc_shared((_C, BV), dtype),
+                decayed_delta=T.alloc_shared((_C, BV), dtype),
+                o=T.alloc_shared((_C, BV), dtype),
+                # -Y (warpgroup 1) where Delta's buffer is too narrow for it
+                neg_y=T.alloc_shared((_C, K), dtype) if BV < K else None,
+                # Per stage, so that one completes once per two chunks, after all its waiters of the
+                # chunk before released the stage (tiles_free): no waiter can miss a phase.
+                tiles_full=T.alloc_barrier(arrive_count=[loader_threads] * 2),
+                tiles_free=T.alloc_barrier(arrive_count=[reader_threads] * 2),
+                state_ready=T.alloc_barrier(arrive_count=[WARPGROUP] * 2),
+                state_free=T.alloc_barrier(arrive_count=[WARPGROUP + 32] * 2),   # warpgroup 2, store warp
+                decays_ready=T.alloc_barrier(arrive_count=[WARPGROUP] * 2),
+                delta_ready=T.alloc_barrier(arrive_count=[WARPGROUP] * 2),
+                delta_free=T.alloc_barrier(arrive_count=[WARPGROUP] * 2),
+                o_ready=T.alloc_barrier(arrive_count=[WARPGROUP] * 2),
+                o_free=T.alloc_barrier(arrive_count=[32] * 2),
+            )
             tx = T.get_thread_binding()
             if tx < WARPGROUP:
-                state_role(sh, cta, initial_state, final_state)
+                state_warpgroup(sh, cta, initial_state, final_state)
             elif tx < 2 * WARPGROUP:
-                delta_role(sh, cta)
+                delta_warpgroup(sh, cta)
             elif tx < 3 * WARPGROUP:
-                output_role(sh, cta)
+                output_warpgroup(sh, cta)
             else:
                 T.set_max_nreg(producer_registers, 0)
                 if tx < 3 * WARPGROUP + 32:
                     load_qk(sh, cta, q, k)
                 elif tx < 3 * WARPGROUP + 64:
-                    v_loader(sh, cta, v, beta)
+                    load_v_beta(sh, cta, v, beta)
                 elif tx < 3 * WARPGROUP + 96:
                     load_inverse_gamma(sh, cta, inverse, gamma)
                 else:
-                    storer(sh, cta, o, chunk_states, gated_inverse, scores)
+                    store_outputs(sh, cta, o, chunk_states, gated_inverse, scores)
 
     return fused_forward_kernel
 
@@ -566,9 +344,9 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
 @functools.lru_cache(maxsize=None)
 def compile_fused_forward(value_block: int, dtype: str = "bfloat16", beta_dtype: str = "float32",
                                  head_dim: int = HEAD_DIM, store_chunk_states: bool = False,
-                                 store_products: bool = False, split_state: bool = False):
+                                 store_products: bool = False):
     program = fused_forward_program(value_block, dtype, beta_dtype, head_dim, store_chunk_states,
-                                           store_products, split_state)
+                                           store_products)
     return compile_for_hopper(program, fast_math=True)
 
 
@@ -576,8 +354,7 @@ def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma: torc
                          beta: torch.Tensor, inverse: torch.Tensor, scale: float, initial_state: torch.Tensor | None,
                          cu_seqlens: torch.Tensor, value_block: int, pieces: torch.Tensor, walk_start: torch.Tensor,
                          store_chunk_states: bool = False, store_products: bool = False,
-                         offsets: torch.Tensor | None = None, num_chunks: int | None = None,
-                         split_state: bool = False):
+                         offsets: torch.Tensor | None = None, num_chunks: int | None = None):
     """(o, final_state, chunk_states or None, gated_inverse or None, scores or None) on flattened inputs.
 
     q, k: [T, Hqk, K]; v: [T, Hv, V]; gamma (fp32 chunk-local cumsum), beta: [T, Hv]; inverse: the
@@ -587,8 +364,6 @@ def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma: torc
     dtype (chunk c of sequence n at row offsets[n] + c); in a split sequence each piece's states come
     from its own (warm-up) walk. num_chunks: offsets' last entry when the caller knows it.
     store_products: also return Ab and P, [T, Hv, 64] each in v's dtype, which the backward reads.
-    split_state: the candidate walk with the state's column halves as two chains (value_block 128 only;
-    bench --compare forward_halves; not reachable from the public op).
     """
     num_tokens, num_qk_heads, head_dim = k.shape
     num_v_heads = v.shape[1]
@@ -611,7 +386,7 @@ def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma: torc
     scores = torch.empty_like(gated_inverse)
     o = torch.empty_like(v)
     kernel = compile_fused_forward(value_block, dtype_name(v), dtype_name(beta), head_dim,
-                                          store_chunk_states, store_products, split_state)
+                                          store_chunk_states, store_products)
     kernel(q, k, v, gamma, beta, inverse, initial_state, cu_seqlens, offsets, pieces, walk_start, o, final_state,
            states, gated_inverse, scores, float(scale), int(use_initial_state))
     return (o, final_state, states if store_chunk_states else None,

@@ -26,20 +26,18 @@ def test_kernel_compiles_for_sm90a_without_64_bit_divisions(name, build):
     assert not divisions, f"{name}: {len(divisions)} 64-bit divisions in the generated CUDA"
 
 
-@pytest.mark.parametrize("value_block,split_state", [(64, False), (128, False), (128, True)],
-                         ids=["64", "128", "128_split_state"])
-def test_fused_forward_is_warp_specialised_without_block_barriers(value_block, split_state):
-    """The walk of fused_forward.py (and its split_state candidate): wgmma and TMA; warpgroups that meet
-    only on mbarriers and named partial barriers (a __syncthreads() inside a role would deadlock: the
-    others never reach it), one register budget a role that fits the SM, raised only from and lowered
-    only to the 128 a thread starts with (setmaxnreg.inc / .dec), and no barrier at the top of an
-    unrolled element loop (what TileLang emits for a shared buffer updated in place)."""
+@pytest.mark.parametrize("value_block", [64, 128])
+def test_fused_forward_is_warp_specialised_without_block_barriers(value_block):
+    """The walk of fused_forward.py: wgmma and TMA; warpgroups that meet only on mbarriers and named
+    partial barriers (a __syncthreads() inside a role would deadlock: the others never reach it), one
+    register budget a role that fits the SM, raised only from and lowered only to the 128 a thread
+    starts with (setmaxnreg.inc / .dec: the other way round is undefined), and no barrier at the top of
+    an unrolled element loop (what TileLang emits for a shared buffer updated in place)."""
     import re
 
     from flashqla.hopper.fused_forward import compile_fused_forward
 
-    source = compile_fused_forward(value_block, store_chunk_states=True, store_products=True,
-                                   split_state=split_state).get_kernel_source()
+    source = compile_fused_forward(value_block, store_chunk_states=True, store_products=True).get_kernel_source()
     assert source.count("__syncthreads()") == 1, "only the one after the mbarrier init"
     assert source.index("__syncthreads()") < source.index("threadIdx.x) < 128")
     raised = [int(n) for n in re.findall(r"warpgroup_reg_alloc<(\d+)>", source)]
@@ -52,10 +50,3 @@ def test_fused_forward_is_warp_specialised_without_block_barriers(value_block, s
                      if line.strip().startswith("for (") and "__sync_thread_partial" in lines[i + 1]]
     assert not barrier_loops, [lines[i].strip() for i in barrier_loops]
     assert "wgmma" in source and "tma_load" in source
-
-
-def test_split_state_refuses_a_narrow_value_block():
-    from flashqla.hopper.fused_forward import fused_forward_program
-
-    with pytest.raises(ValueError, match="split_state needs value_block=128, got 64"):
-        fused_forward_program(64, split_state=True)
