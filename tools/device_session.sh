@@ -28,6 +28,8 @@
 #   train-256k          launch/benchmark.sh 0.8B 262144 tilelang
 #   train-512k          launch/benchmark.sh 0.8B 524288 tilelang, 4 steps: steps 1-2 recompute the attention (80.4 GiB,
 #                       twenty-first session), then train.recompute_attention=auto keeps the attention layers that fit
+#   train-384k          launch/benchmark.sh 0.8B 393216 tilelang, 4 steps: auto keeps some layers by its estimate after
+#                       step 2 and, by what they were measured to cost, more after step 3
 #   idle                32768 tokens: profiled, without DeepSpeed's overlap_comm, with ZeRO-1; 8192 profiled
 #   step-time           8192 (profiled at step PROFILE_STEP=6) and 32768 tokens, tilelang, kernel timing off
 #   grad-checks         8192 (profiled at step PROFILE_STEP=6) and 32768 tokens with deepspeed.one_pass_grad_checks on and off
@@ -263,6 +265,7 @@ print("max |difference|", max(abs(losses[0][s] - losses[1][s]) for s in losses[0
     train-256k) train_run train-0.8B-256k-tilelang 0.8B 262144 tilelang ;;
     # the preset's recompute_attention=auto: steps 1-2 recompute every attention layer, 3-4 keep what fits
     train-512k) STEPS=4 TRAIN_TIMEOUT_S=${TRAIN_TIMEOUT_S:-540} train_run train-0.8B-512k-tilelang 0.8B 524288 tilelang ;;
+    train-384k) STEPS=4 TRAIN_TIMEOUT_S=${TRAIN_TIMEOUT_S:-330} train_run train-0.8B-384k-tilelang 0.8B 393216 tilelang ;;
     train-8k) train_run train-0.8B-8k-compare 0.8B 8192 tilelang,fla ;;
     train-128k-tilelang) train_run train-0.8B-128k-tilelang 0.8B 131072 tilelang ;;
     train-128k-attention)
@@ -291,7 +294,7 @@ print("max |difference|", max(abs(losses[0][s] - losses[1][s]) for s in losses[0
         ;;
     *)
         echo "unknown part '$1': tests, tests-model, unverified, compare, compare-conv, attention, bench, bench-warm, ncu, ncu-source," \
-            "train-8k, train-32k, train-32k-compare, train-32k-compare-recompute, train-128k-compare, train-128k-tilelang, train-128k-fla, train-256k, train-512k, train-2b, train," \
+            "train-8k, train-32k, train-32k-compare, train-32k-compare-recompute, train-128k-compare, train-128k-tilelang, train-128k-fla, train-256k, train-384k, train-512k, train-2b, train," \
             "idle, timing-cost, checkpoint-layers, keep-levels, model-bench, model-vs-hf," \
             "tp2, tp2-8k" >&2
         SUMMARY+=("$(printf '%-22s %-9s' "$1" "UNKNOWN")")
