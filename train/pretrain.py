@@ -634,10 +634,6 @@ def train_loop(run: Run) -> int:
                 state.data_position += train_cfg.gradient_accumulation * run.groups.dp_size
                 state.tokens_seen += run.tokens_per_step
             summary = agree_on_step(run, loss_sum, flops, stop)
-            if train_cfg.recompute_attention == "auto" and step == start_step + 2:
-                attention_keep = keep_attention_by_memory(run, summary)
-            elif train_cfg.recompute_attention == "auto" and step == start_step + 3:
-                keep_more_attention_by_measure(run, summary, attention_keep)
 
             grad_norm = engine.get_global_grad_norm()
             grad_norm = float(grad_norm) if grad_norm is not None else None
@@ -650,6 +646,11 @@ def train_loop(run: Run) -> int:
                 run.records.append(record)
             progress.update(1)
             progress.set_postfix(loss=f"{summary.loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
+            # after the step's record, which counts the layers this step kept
+            if train_cfg.recompute_attention == "auto" and step == start_step + 2:
+                attention_keep = keep_attention_by_memory(run, summary)
+            elif train_cfg.recompute_attention == "auto" and step == start_step + 3:
+                keep_more_attention_by_measure(run, summary, attention_keep)
 
             if guard.diverged:
                 log.error(
