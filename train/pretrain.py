@@ -575,8 +575,8 @@ def keep_attention_by_memory(run: Run, summary: StepSummary) -> AttentionKeep | 
 def keep_more_attention_by_measure(run: Run, summary: StepSummary, decision: AttentionKeep | None) -> None:
     """train.recompute_attention=auto, after the first step with some but not all layers kept: what a
     kept layer costs, measured (the rise of the peak reserved memory over the step before it, per kept
-    layer), in place of the estimate, an upper bound by construction (0.8B at 524288 tokens on the H200:
-    15.0 GiB estimated, 10.5 measured); more layers keep theirs from the next step where the measure lets
+    layer), in place of the estimate, an upper bound by construction (docs/performance.md has both for
+    0.8B at 393216 and 524288 tokens); more layers keep theirs from the next step where the measure lets
     them, never fewer. The measure is taken as at least half the estimate, against a rise hidden in
     blocks the allocator had reserved already."""
     if decision is None or not 0 < decision.kept < decision.layers:
