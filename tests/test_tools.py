@@ -1,6 +1,6 @@
 """The tools that run without a GPU: tools/ncu_top_stalls.py on made-up Nsight Compute source pages,
-tools/restore_kernel_sources.py on a made-up kernel cache, and tools/rounding_emulation.py on a small
-hard case."""
+tools/restore_kernel_sources.py on a made-up kernel cache, tools/rounding_emulation.py on a small
+hard case, and tools/walk_timeline.py's summary on made-up clock stamps."""
 import subprocess
 import sys
 from pathlib import Path
@@ -92,3 +92,25 @@ def test_rounding_emulation_is_the_reference_without_rounding_and_moves_with_it(
         rounding_emulation.emulated_op({"states"})
     with pytest.raises(ValueError, match=r"points \['state'\]: .* with ':tf32'"):
         rounding_emulation.emulated_op({"state:fp8"})
+
+
+def test_walk_timeline_takes_each_segment_to_the_next_event_and_the_last_to_the_next_chunk():
+    import numpy as np
+
+    sys.path.insert(0, str(TOOLS))
+    from walk_timeline import format_summary, summarize
+
+    events = {"state": ("top", "tiles", "updated"), "delta": ("top", "x")}
+    ctas, chunks = 3, 10
+    stamps = np.zeros((ctas, 2, chunks, 3), dtype=np.int64)
+    for c in range(chunks):  # state: 100-cycle chunks, 30 waiting for tiles, 70 updating; delta: 40 then 60
+        stamps[:, 0, c, :3] = 1000 + 100 * c + np.array([0, 30, 100 - 1])
+        stamps[:, 1, c, :2] = 1000 + 100 * c + np.array([5, 45])
+    stamps[2, :, 6:] = 0  # a CTA that walked 6 chunks
+    summary = summarize(stamps, events, skip=2)
+    assert summary["period"] == 100
+    assert summary["state"] == [("top -> tiles", 30), ("tiles -> updated", 69), ("updated -> next top", 1)]
+    assert summary["delta"] == [("top -> x", 40), ("x -> next top", 60)]
+    lines = format_summary(summary)
+    assert lines[0] == "chunk period (state warpgroup, top to top): 100 cycles"
+    assert lines[1].startswith("state: top -> tiles 30 (30%)")

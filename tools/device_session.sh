@@ -18,6 +18,8 @@
 #                       as CSV and the 40 instructions that stall most (tools/ncu_top_stalls.py), then the same by
 #                       line of the generated CUDA (the report imports the source)
 #   tests-model         the GPU tests of the conv kernel and of qwen_hybrid/ only
+#   walk-timeline       tools/walk_timeline.py: the forward walk's cycles per role and segment of a chunk, on
+#                       16/64 x 32768 (storing everything and nothing), 16/64 8192x4, 16/16 x 131072 and 2/8 x 32768
 #   compare-conv        python -m flashqla.bench --compare conv (the conv kernel against torch.compile; its backward's token blocks)
 #   attention           python -m benchmarks.attention_backends (SDPA's kernels and varlen_attn; ATTENTION_ARGS)
 #   loss-curves         20 steps at 8192 tokens of this tree and of baseline/ (a git archive of an older commit), losses side by side
@@ -179,6 +181,13 @@ print(first_call_s(implementations([])["ours"], make_inputs(heads, lens)))' "${N
         step pytest-model 400 60 "$PYTHON" -m pytest -m gpu -q -rfE -p no:cacheprovider --timeout=300 \
             tests/flashqla/test_causal_conv.py tests/qwen_hybrid
         ;;
+    walk-timeline)
+        step walk-timeline 240 60 bash -c 'for shape in "16/64 32768 everything" "16/64 32768 nothing" \
+                "16/64 8192,8192,8192,8192 everything" "16/16 131072 everything" "2/8 32768 everything"; do
+            set -- $shape
+            '"$PYTHON"' tools/walk_timeline.py --heads $1 --lengths $2 --keep $3 || exit 1
+        done'
+        ;;
     compare-conv)
         step compare-conv 200 40 "$PYTHON" -m flashqla.bench --compare conv --json "$OUT/compare-conv.json"
         ;;
@@ -293,7 +302,7 @@ print("max |difference|", max(abs(losses[0][s] - losses[1][s]) for s in losses[0
             launch/benchmark.sh 0.8B 8192 tilelang ${TP2_OVERRIDES:-}
         ;;
     *)
-        echo "unknown part '$1': tests, tests-model, unverified, compare, compare-conv, attention, bench, bench-warm, ncu, ncu-source," \
+        echo "unknown part '$1': tests, tests-model, walk-timeline, unverified, compare, compare-conv, attention, bench, bench-warm, ncu, ncu-source," \
             "train-8k, train-32k, train-32k-compare, train-32k-compare-recompute, train-128k-compare, train-128k-tilelang, train-128k-fla, train-256k, train-384k, train-512k, train-2b, train," \
             "idle, timing-cost, checkpoint-layers, keep-levels, model-bench, model-vs-hf," \
             "tp2, tp2-8k" >&2

@@ -176,6 +176,9 @@ def compile_walks() -> None:
         for value_block in (32, 64, 128):
             for states, products in keeps:
                 compile_fused_forward(value_block, dtype, beta_dtype, 128, states, products)
+    for value_block in (64, 128):  # tools/walk_timeline.py: the recording walk, storing everything or nothing
+        for stored in (True, False):
+            compile_fused_forward(value_block, "bfloat16", "float32", 128, stored, stored, record_timeline=True)
     print(f"ours, walks: {time.time() - started:.0f} s", flush=True)
 
 

@@ -61,16 +61,31 @@ def _register_split(value_block: int) -> tuple[int, int]:
     producer spills below 56 at BV <= 64 (ptxas, sm_90a)."""
     return (40, 168) if value_block > 64 else (56, 152)
 MAX_VALUE_BLOCK = 128
+# record_timeline: the points of a chunk at which each role's first thread reads the SM's clock (in this
+# order in its loop), for the first TIMELINE_CHUNKS chunks of every CTA (tools/walk_timeline.py reads them)
+TIMELINE_EVENTS = {
+    "state": ("top", "tiles", "state_free", "state_handed", "decays", "delta_ready", "updated"),
+    "delta": ("top", "tiles", "decays", "ab_built", "neg_y", "delta_free", "neg_y_stored", "x", "state_ready",
+              "y_s0", "delta_handed"),
+    "output": ("top", "tiles", "qk", "p_stored", "state_ready", "q_s0", "decays", "delta_ready", "p_delta",
+               "o_free", "o_handed"),
+    "store": ("top", "state_ready", "state_stored", "o_ready", "o_stored", "products_stored"),
+}
+TIMELINE_CHUNKS = 64
+_TIMELINE_SLOTS = max(len(events) for events in TIMELINE_EVENTS.values())
+_ROLE_LEADERS = {"state": 0, "delta": WARPGROUP, "output": 2 * WARPGROUP, "store": 3 * WARPGROUP + 96}
 
 
 def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype: str = "float32",
                                  head_dim: int = HEAD_DIM, store_chunk_states: bool = False,
-                                 store_products: bool = False):
+                                 store_products: bool = False, record_timeline: bool = False):
+    """record_timeline: also write the clock at every TIMELINE_EVENTS point (a diagnostic: same outputs)."""
     num_tokens = T.dynamic("num_tokens")
     num_sequences = T.dynamic("num_sequences")
     num_pieces = T.dynamic("num_pieces")
     num_chunks = T.dynamic("num_chunks")
     product_rows = T.dynamic("product_rows")
+    timeline_ctas = T.dynamic("timeline_ctas")
     num_v_heads = T.dynamic("num_v_heads")
     num_qk_heads = T.dynamic("num_qk_heads")
     K = head_dim
@@ -84,9 +99,16 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
     def neg_y_tile(sh):
         return sh.delta if sh.neg_y is None else sh.neg_y
 
+    @T.macro
+    def stamp(timeline, cta, role, c, event):
+        if record_timeline:
+            if T.get_thread_binding() == _ROLE_LEADERS[role] and c < TIMELINE_CHUNKS:
+                timeline[cta.index, list(TIMELINE_EVENTS).index(role), c,
+                         TIMELINE_EVENTS[role].index(event)] = T.call_extern("int64", "clock64")
+
     # Each role is a macro: written inline, the branches nest deeper than Python allows.
     @T.macro
-    def state_warpgroup(sh, cta, initial_state, final_state):
+    def state_warpgroup(sh, cta, initial_state, final_state, timeline):
         """Warpgroup 0: S in registers; hands S0 to the others, then S1 = e^{gamma_C} S0 + K^T (E Delta)."""
         T.set_max_nreg(state_registers, 1)
         state = T.alloc_fragment((K, BV), "float32")
@@ -97,24 +119,31 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
             T.clear(state)
         for c in T.serial(cta.n_chunks):
             stage = c % 2
+            stamp(timeline, cta, "state", c, "top")
             T.barrier_wait(sh.tiles_full[stage], (c // 2) % 2)
+            stamp(timeline, cta, "state", c, "tiles")
             if c > 0:
                 T.barrier_wait(sh.state_free[1 - stage], ((c - 1) // 2) % 2)
+            stamp(timeline, cta, "state", c, "state_free")
             T.copy(state, sh.state)
             T.fence_proxy_async()
             T.barrier_arrive(sh.state_ready[stage])
+            stamp(timeline, cta, "state", c, "state_handed")
             T.barrier_wait(sh.decays_ready[stage], (c // 2) % 2)
+            stamp(timeline, cta, "state", c, "decays")
             chunk_decay = sh.row_decay[stage, _C - 1]
             for i, j in T.Parallel(K, BV):
                 state[i, j] = state[i, j] * chunk_decay
             T.barrier_wait(sh.delta_ready[stage], (c // 2) % 2)
+            stamp(timeline, cta, "state", c, "delta_ready")
             T.gemm(sh.k[stage, :, :], sh.decayed_delta, state, transpose_A=True)
+            stamp(timeline, cta, "state", c, "updated")
             T.barrier_arrive(sh.tiles_free[stage])
         if cta.ends_sequence != 0:
             T.copy(state, final_state[cta.sequence, cta.head, 0:K, cta.v0:cta.v0 + BV])
 
     @T.macro
-    def delta_warpgroup(sh, cta):
+    def delta_warpgroup(sh, cta, timeline):
         """Warpgroup 1: the decays, Ab; X = Ab V and -Y = -(Ab D) K before S0 arrives, then Delta = X - Y S0
         and E Delta. (Ab D = D A~ Bt: no e^{-gamma}.) Ab is made here, not on warpgroup 2, so that X and Y
         need not wait for warpgroup 2's work on the chunk before. -Y waits in Delta's buffer at BV = K,
@@ -127,13 +156,16 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
         for c in T.serial(cta.n_chunks):
             stage = c % 2
             last = T.min(cta.end - (cta.walk + c * _C), _C) - 1
+            stamp(timeline, cta, "delta", c, "top")
             T.barrier_wait(sh.tiles_full[stage], (c // 2) % 2)
+            stamp(timeline, cta, "delta", c, "tiles")
             for t in T.Parallel(_C):
                 sh.row_decay[stage, t] = T.exp2(sh.gamma[stage, t])
                 sh.end_decay[stage, t] = T.if_then_else(
                     t <= last, T.exp2(sh.gamma[stage, _C - 1] - sh.gamma[stage, t]), 0.0)
             T.barrier_arrive(sh.decays_ready[stage])
             T.barrier_wait(sh.decays_ready[stage], (c // 2) % 2)
+            stamp(timeline, cta, "delta", c, "decays")
             # -(Ab D) = -D A~ Bt and Ab = Gm A~ Bt from A~, both through registers (updated in place in
             # shared memory, TileLang would put a barrier between every two elements)
             T.copy(sh.a[stage, :, :], decayed_ab)
@@ -145,53 +177,72 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
                 ab[t, s] = T.if_then_else(
                     s <= t, T.exp2(sh.gamma[stage, t] - sh.gamma[stage, s]) * sh.beta[stage, s] * ab[t, s], 0.0)
             T.copy(ab, sh.a[stage, :, :])
+            stamp(timeline, cta, "delta", c, "ab_built")
             T.fence_proxy_async()
             T.gemm(decayed_ab, sh.k[stage, :, :], neg_y, clear_accum=True)
+            stamp(timeline, cta, "delta", c, "neg_y")
             # Delta's buffer is free once warpgroup 2 has read the chunk before's (and warpgroup 0
             # finished reading E Delta before it handed out this chunk's S0).
             if c > 0:
                 T.barrier_wait(sh.delta_free[1 - stage], ((c - 1) // 2) % 2)
+            stamp(timeline, cta, "delta", c, "delta_free")
             T.copy(neg_y, neg_y_tile(sh))
+            stamp(timeline, cta, "delta", c, "neg_y_stored")
             T.fence_proxy_async()
             T.gemm(sh.a[stage, :, :], sh.v[stage, :, :], delta, clear_accum=True)
+            stamp(timeline, cta, "delta", c, "x")
             T.barrier_wait(sh.state_ready[stage], (c // 2) % 2)
+            stamp(timeline, cta, "delta", c, "state_ready")
             T.gemm(neg_y_tile(sh), sh.state, delta)
+            stamp(timeline, cta, "delta", c, "y_s0")
             T.copy(delta, sh.delta)
             for t, j in T.Parallel(_C, BV):
                 delta[t, j] = delta[t, j] * sh.end_decay[stage, t]
             T.copy(delta, sh.decayed_delta)
             T.fence_proxy_async()
             T.barrier_arrive(sh.delta_ready[stage])
+            stamp(timeline, cta, "delta", c, "delta_handed")
             T.barrier_arrive(sh.tiles_free[stage])
 
     @T.macro
-    def output_warpgroup(sh, cta):
+    def output_warpgroup(sh, cta, timeline):
         """Warpgroup 2: P, then O = scale D Q S0 + P Delta."""
         T.set_max_nreg(_MATH_REGISTERS, 1)
         qk = T.alloc_fragment((_C, _C), "float32")
         out = T.alloc_fragment((_C, BV), "float32")
         for c in T.serial(cta.n_chunks):
             stage = c % 2
+            stamp(timeline, cta, "output", c, "top")
             T.barrier_wait(sh.tiles_full[stage], (c // 2) % 2)
+            stamp(timeline, cta, "output", c, "tiles")
             T.gemm(sh.q[stage, :, :], sh.k[stage, :, :], qk, transpose_B=True, clear_accum=True)
+            stamp(timeline, cta, "output", c, "qk")
             for t, s in T.Parallel(_C, _C):
                 sh.p[stage, t, s] = T.if_then_else(
                     s <= t, T.exp2(sh.gamma[stage, t] - sh.gamma[stage, s]) * cta.scale * qk[t, s], 0.0)
             T.fence_proxy_async()
+            stamp(timeline, cta, "output", c, "p_stored")
             T.barrier_wait(sh.state_ready[stage], (c // 2) % 2)
+            stamp(timeline, cta, "output", c, "state_ready")
             T.gemm(sh.q[stage, :, :], sh.state, out, clear_accum=True)
+            stamp(timeline, cta, "output", c, "q_s0")
             T.barrier_arrive(sh.state_free[stage])
             T.barrier_wait(sh.decays_ready[stage], (c // 2) % 2)
+            stamp(timeline, cta, "output", c, "decays")
             for t, j in T.Parallel(_C, BV):
                 out[t, j] = out[t, j] * (sh.row_decay[stage, t] * cta.scale)
             T.barrier_wait(sh.delta_ready[stage], (c // 2) % 2)
+            stamp(timeline, cta, "output", c, "delta_ready")
             T.gemm(sh.p[stage, :, :], sh.delta, out)
+            stamp(timeline, cta, "output", c, "p_delta")
             T.barrier_arrive(sh.delta_free[stage])
             if c > 0:
                 T.barrier_wait(sh.o_free[1 - stage], ((c - 1) // 2) % 2)
+            stamp(timeline, cta, "output", c, "o_free")
             T.copy(out, sh.o)
             T.fence_proxy_async()
             T.barrier_arrive(sh.o_ready[stage])
+            stamp(timeline, cta, "output", c, "o_handed")
             T.barrier_arrive(sh.tiles_free[stage])
 
     @T.macro
@@ -230,19 +281,23 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
             T.barrier_arrive(sh.tiles_full[stage])
 
     @T.macro
-    def store_outputs(sh, cta, o, chunk_states, gated_inverse, scores):
+    def store_outputs(sh, cta, o, chunk_states, gated_inverse, scores, timeline):
         """The store warp: o, the chunk states, Ab and P of the piece's own chunks."""
         for c in T.serial(cta.n_chunks):
             stage = c % 2
             left = cta.walk + c * _C
             last = T.min(cta.end - left, _C) - 1
             own = left >= cta.piece_start
+            stamp(timeline, cta, "store", c, "top")
             T.barrier_wait(sh.state_ready[stage], (c // 2) % 2)
+            stamp(timeline, cta, "store", c, "state_ready")
             if store_chunk_states and own:
                 T.copy(sh.state, chunk_states[cta.first_chunk + (left - cta.seq_start) // _C, cta.head,
                                               0:K, cta.v0:cta.v0 + BV])
             T.barrier_arrive(sh.state_free[stage])
+            stamp(timeline, cta, "store", c, "state_stored")
             T.barrier_wait(sh.o_ready[stage], (c // 2) % 2)
+            stamp(timeline, cta, "store", c, "o_ready")
             if own and left + _C <= cta.end:
                 T.copy(sh.o, o[left:left + _C, cta.head, cta.v0:cta.v0 + BV])
             if own and left + _C > cta.end:
@@ -250,6 +305,7 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
                     if t <= last:
                         o[left + t, cta.head, cta.v0 + j] = sh.o[t, j]
             T.barrier_arrive(sh.o_free[stage])
+            stamp(timeline, cta, "store", c, "o_stored")
             if store_products and own and cta.vb == 0 and left + _C <= cta.end:
                 T.copy(sh.a[stage, :, :], gated_inverse[left:left + _C, cta.head, 0:_C])
                 T.copy(sh.p[stage, :, :], scores[left:left + _C, cta.head, 0:_C])
@@ -258,6 +314,7 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
                     if t <= last:
                         gated_inverse[left + t, cta.head, s] = sh.a[stage, t, s]
                         scores[left + t, cta.head, s] = sh.p[stage, t, s]
+            stamp(timeline, cta, "store", c, "products_stored")
             T.barrier_arrive(sh.tiles_free[stage])
 
     @T.prim_func
@@ -278,6 +335,7 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
         chunk_states: T.Tensor((num_chunks, num_v_heads, K, head_dim), dtype),
         gated_inverse: T.Tensor((product_rows, num_v_heads, _C), dtype),
         scores: T.Tensor((product_rows, num_v_heads, _C), dtype),
+        timeline: T.Tensor((timeline_ctas, len(TIMELINE_EVENTS), TIMELINE_CHUNKS, _TIMELINE_SLOTS), "int64"),
         scale: T.float32,
         use_initial_state: T.int32,
     ):
@@ -288,7 +346,8 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
                 vb=vb, head=head, qk_head=head // (num_v_heads // num_qk_heads), v0=vb * BV, sequence=sequence,
                 piece_start=pieces[piece, 1], end=pieces[piece, 2], ends_sequence=pieces[piece, 3], walk=walk,
                 n_chunks=T.ceildiv(pieces[piece, 2] - walk, _C), first_chunk=chunk_offsets[sequence],
-                seq_start=cu_seqlens[sequence], scale=scale, use_initial_state=use_initial_state)
+                seq_start=cu_seqlens[sequence], scale=scale, use_initial_state=use_initial_state,
+                index=(piece * num_v_heads + head) * value_blocks + vb)
             sh = SimpleNamespace(
                 # Double-buffered: filled by the producer warps for chunk c into stage c % 2, or written
                 # in chunk c by the warpgroups; refilled only after every role released the stage.
@@ -322,11 +381,11 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
             )
             tx = T.get_thread_binding()
             if tx < WARPGROUP:
-                state_warpgroup(sh, cta, initial_state, final_state)
+                state_warpgroup(sh, cta, initial_state, final_state, timeline)
             elif tx < 2 * WARPGROUP:
-                delta_warpgroup(sh, cta)
+                delta_warpgroup(sh, cta, timeline)
             elif tx < 3 * WARPGROUP:
-                output_warpgroup(sh, cta)
+                output_warpgroup(sh, cta, timeline)
             else:
                 T.set_max_nreg(producer_registers, 0)
                 if tx < 3 * WARPGROUP + 32:
@@ -336,7 +395,7 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
                 elif tx < 3 * WARPGROUP + 96:
                     load_inverse_gamma(sh, cta, inverse, gamma)
                 else:
-                    store_outputs(sh, cta, o, chunk_states, gated_inverse, scores)
+                    store_outputs(sh, cta, o, chunk_states, gated_inverse, scores, timeline)
 
     return fused_forward_kernel
 
@@ -344,9 +403,9 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
 @functools.lru_cache(maxsize=None)
 def compile_fused_forward(value_block: int, dtype: str = "bfloat16", beta_dtype: str = "float32",
                                  head_dim: int = HEAD_DIM, store_chunk_states: bool = False,
-                                 store_products: bool = False):
+                                 store_products: bool = False, record_timeline: bool = False):
     program = fused_forward_program(value_block, dtype, beta_dtype, head_dim, store_chunk_states,
-                                           store_products)
+                                           store_products, record_timeline)
     return compile_for_hopper(program, fast_math=True)
 
 
@@ -354,7 +413,8 @@ def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma: torc
                          beta: torch.Tensor, inverse: torch.Tensor, scale: float, initial_state: torch.Tensor | None,
                          cu_seqlens: torch.Tensor, value_block: int, pieces: torch.Tensor, walk_start: torch.Tensor,
                          store_chunk_states: bool = False, store_products: bool = False,
-                         offsets: torch.Tensor | None = None, num_chunks: int | None = None):
+                         offsets: torch.Tensor | None = None, num_chunks: int | None = None,
+                         timeline: torch.Tensor | None = None):
     """(o, final_state, chunk_states or None, gated_inverse or None, scores or None) on flattened inputs.
 
     q, k: [T, Hqk, K]; v: [T, Hv, V]; gamma (fp32 chunk-local cumsum), beta: [T, Hv]; inverse: the
@@ -364,6 +424,8 @@ def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma: torc
     dtype (chunk c of sequence n at row offsets[n] + c); in a split sequence each piece's states come
     from its own (warm-up) walk. num_chunks: offsets' last entry when the caller knows it.
     store_products: also return Ab and P, [T, Hv, 64] each in v's dtype, which the backward reads.
+    timeline: int64 [CTAs, 4, TIMELINE_CHUNKS, slots] (timeline_shape) to fill with the clock at each role's
+    TIMELINE_EVENTS (the kernel built with record_timeline; tools/walk_timeline.py). Outputs are unchanged.
     """
     num_tokens, num_qk_heads, head_dim = k.shape
     num_v_heads = v.shape[1]
@@ -385,9 +447,24 @@ def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma: torc
     gated_inverse = torch.empty(product_rows, num_v_heads, _C, dtype=v.dtype, device=device)
     scores = torch.empty_like(gated_inverse)
     o = torch.empty_like(v)
+    if timeline is None:
+        clock = torch.empty((1, *timeline_shape(1, 1, 1)[1:]), dtype=torch.int64, device=device)
+    else:
+        expected = timeline_shape(pieces.shape[0], num_v_heads, value_block)
+        if tuple(timeline.shape) != expected or timeline.dtype != torch.int64:
+            raise ValueError(f"fused_forward: timeline must be int64 {list(expected)}, got {timeline.dtype} "
+                             f"{list(timeline.shape)}")
+        clock = timeline
     kernel = compile_fused_forward(value_block, dtype_name(v), dtype_name(beta), head_dim,
-                                          store_chunk_states, store_products)
+                                          store_chunk_states, store_products, timeline is not None)
     kernel(q, k, v, gamma, beta, inverse, initial_state, cu_seqlens, offsets, pieces, walk_start, o, final_state,
-           states, gated_inverse, scores, float(scale), int(use_initial_state))
+           states, gated_inverse, scores, clock, float(scale), int(use_initial_state))
     return (o, final_state, states if store_chunk_states else None,
             gated_inverse if store_products else None, scores if store_products else None)
+
+
+def timeline_shape(num_pieces: int, num_v_heads: int, value_block: int) -> tuple[int, int, int, int]:
+    """fused_forward's timeline: (CTA = (piece * Hv + head) * V blocks + V block, role in TIMELINE_EVENTS'
+    order, chunk, event)."""
+    return (num_pieces * num_v_heads * (HEAD_DIM // value_block), len(TIMELINE_EVENTS), TIMELINE_CHUNKS,
+            _TIMELINE_SLOTS)

@@ -50,3 +50,15 @@ def test_fused_forward_is_warp_specialised_without_block_barriers(value_block):
                      if line.strip().startswith("for (") and "__sync_thread_partial" in lines[i + 1]]
     assert not barrier_loops, [lines[i].strip() for i in barrier_loops]
     assert "wgmma" in source and "tma_load" in source
+
+
+def test_fused_forward_reads_the_clock_only_when_recording_a_timeline():
+    """record_timeline stamps every TIMELINE_EVENTS point once (tools/walk_timeline.py reads them); the
+    walk the op runs reads no clock."""
+    from flashqla.hopper.fused_forward import TIMELINE_EVENTS, compile_fused_forward
+
+    plain = compile_fused_forward(128, store_chunk_states=True, store_products=True).get_kernel_source()
+    recording = compile_fused_forward(128, store_chunk_states=True, store_products=True,
+                                      record_timeline=True).get_kernel_source()
+    assert "clock64" not in plain
+    assert recording.count("clock64()") == sum(len(events) for events in TIMELINE_EVENTS.values())

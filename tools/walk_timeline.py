@@ -1,0 +1,111 @@
+"""Where a chunk's time goes in the forward walk, role by role, from the SM's clock (needs an SM90 GPU).
+
+    python tools/walk_timeline.py [--heads 16/64] [--lengths 32768] [--keep everything|nothing]
+                                  [--skip 4] [--json PATH]
+
+Runs flashqla/hopper/fused_forward.py's walk once with `record_timeline` (each role's first thread
+reads clock64 at the TIMELINE_EVENTS of its loop, for the first TIMELINE_CHUNKS chunks of every CTA)
+on the bench's inputs and the forward's own plan, and prints, for every role, the median cycles from
+each event to the next over all CTAs and their chunks past the first --skip (warm-up: the loads of
+the first chunks), beside the chunk period (the state warpgroup's median cycles from one chunk's top
+to the next's). A segment that ends at a barrier wait ("tiles", "state_ready", ...) is that role
+waiting on another; the others are its own work. docs/kernel-notes.md says what it found.
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def summarize(stamps: np.ndarray, events: dict[str, tuple[str, ...]], skip: int) -> dict:
+    """{"period": cycles, role: [(segment, median cycles), ...]} from int64 stamps [CTA, role, chunk,
+    slot] (0 where nothing was written: chunks a CTA did not walk). A role's segment "a -> b" runs from
+    event a to the next event b of the same chunk; its last segment runs to the next chunk's first event."""
+    summary = {}
+    for role_index, (role, names) in enumerate(events.items()):
+        clocks = stamps[:, role_index, :, :len(names)].astype(np.float64)        # [CTA, chunk, event]
+        next_tops = np.concatenate([clocks[:, 1:, :1], np.zeros_like(clocks[:, :1, :1])], axis=1)
+        ends = np.concatenate([clocks[:, :, 1:], next_tops], axis=2)           # where each segment ends
+        segments = []
+        labels = [f"{a} -> {b}" for a, b in zip(names, names[1:])] + [f"{names[-1]} -> next top"]
+        for index, label in enumerate(labels):
+            start, end = clocks[:, skip:, index], ends[:, skip:, index]
+            valid = (start != 0) & (end != 0)
+            segments.append((label, float(np.median((end - start)[valid])) if valid.any() else float("nan")))
+        summary[role] = segments
+        if role_index == 0:
+            tops = clocks[:, :, 0]
+            period = tops[:, skip + 1:] - tops[:, skip:-1]
+            valid = (tops[:, skip + 1:] != 0) & (tops[:, skip:-1] != 0)
+            summary["period"] = float(np.median(period[valid])) if valid.any() else float("nan")
+    return summary
+
+
+def format_summary(summary: dict) -> list[str]:
+    period = summary["period"]
+    lines = [f"chunk period (state warpgroup, top to top): {period:.0f} cycles"]
+    for role, segments in summary.items():
+        if role == "period":
+            continue
+        lines.append(f"{role}: " + ", ".join(f"{label} {cycles:.0f} ({cycles / period:.0%})"
+                                             for label, cycles in segments))
+    return lines
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--heads", default="16/64", help="qk heads / value heads")
+    parser.add_argument("--lengths", default="32768", help="comma-separated sequence lengths")
+    parser.add_argument("--keep", choices=("everything", "nothing"), default="everything",
+                        help="what the walk stores: everything (the model's forward) or nothing (the bench's)")
+    parser.add_argument("--skip", type=int, default=4, help="first chunks of every CTA left out")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from flashqla.bench import make_inputs
+    from flashqla.hopper.chunk_plan import device_sm_count, plan_forward
+    from flashqla.hopper.cumsum import chunk_local_cumsum
+    from flashqla.hopper.fused_forward import MAX_VALUE_BLOCK, TIMELINE_EVENTS, fused_forward, timeline_shape
+    from flashqla.hopper.inverse import chunk_inverse
+    from flashqla.hopper.walk_bounds import walk_bounds
+
+    heads = tuple(int(h) for h in args.heads.split("/"))
+    x = make_inputs(heads, [int(n) for n in args.lengths.split(",")])
+    q, k, v, g, beta, cu = x["q"][0], x["k"][0], x["v"][0], x["g"][0], x["beta"][0], x["cu_seqlens"]
+    plan = plan_forward(cu, heads[1], 128, device_sm_count(q.device), MAX_VALUE_BLOCK,
+                        host_bounds=x["cu_seqlens_cpu"].tolist())
+    gamma = chunk_local_cumsum(g.unsqueeze(0), cu, chunk_index=plan.chunk_index).view(g.shape)
+    inverse = chunk_inverse(k, beta, cu, plan.chunk_index)
+    walk = walk_bounds(gamma, plan.pieces, cu, ahead=False)
+    store = args.keep == "everything"
+
+    def run(timeline=None):
+        return fused_forward(q, k, v, gamma, beta, inverse, 128 ** -0.5, x["initial_state"], cu, plan.value_block,
+                             plan.pieces, walk, store_chunk_states=store, store_products=store,
+                             offsets=plan.chunk_offsets, num_chunks=plan.chunk_index.shape[0], timeline=timeline)
+
+    plain = run()
+    stamps = torch.zeros(timeline_shape(plan.pieces.shape[0], heads[1], plan.value_block), dtype=torch.int64,
+                         device=q.device)
+    run(stamps)  # compiles the recording kernel
+    stamps.zero_()
+    recorded = run(stamps)
+    torch.cuda.synchronize()
+    if not torch.equal(plain[0], recorded[0]):
+        raise AssertionError("the recording walk's o differs from the walk's")
+    summary = summarize(stamps.cpu().numpy(), TIMELINE_EVENTS, args.skip)
+    print(f"{args.heads} x {args.lengths}, storing {args.keep}, V block {plan.value_block}, "
+          f"{stamps.shape[0]} CTAs")
+    print("\n".join(format_summary(summary)))
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()
