@@ -448,7 +448,7 @@ def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma: torc
     scores = torch.empty_like(gated_inverse)
     o = torch.empty_like(v)
     if timeline is None:
-        clock = torch.empty((1, *timeline_shape(1, 1, 1)[1:]), dtype=torch.int64, device=device)
+        clock = _unrecorded_timeline(device)
     else:
         expected = timeline_shape(pieces.shape[0], num_v_heads, value_block)
         if tuple(timeline.shape) != expected or timeline.dtype != torch.int64:
@@ -461,6 +461,13 @@ def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma: torc
            states, gated_inverse, scores, clock, float(scale), int(use_initial_state))
     return (o, final_state, states if store_chunk_states else None,
             gated_inverse if store_products else None, scores if store_products else None)
+
+
+@functools.cache
+def _unrecorded_timeline(device: torch.device) -> torch.Tensor:
+    """The timeline argument of the walk that records none: one CTA's worth, never written, made once
+    per device rather than on every call."""
+    return torch.empty(1, len(TIMELINE_EVENTS), TIMELINE_CHUNKS, _TIMELINE_SLOTS, dtype=torch.int64, device=device)
 
 
 def timeline_shape(num_pieces: int, num_v_heads: int, value_block: int) -> tuple[int, int, int, int]:
