@@ -3,7 +3,7 @@ and side-by-side timings of kernel variants (--compare).
 
     python -m flashqla.bench [--fwd] [--bwd] [--json PATH] [--shapes SUBSTR,...] [--baselines fla,flashqla]
                              [--time-budget SECONDS] [--breakdown] [--model]
-    python -m flashqla.bench --compare [keep_forward,conv,inverse,chunk_grads_l2norm]
+    python -m flashqla.bench --compare [keep_forward,conv,inverse,chunk_grads_l2norm,forward_registers]
                              [--json PATH]
 
 Each library is called the way its users call it: ours through `flashqla.chunk_gated_delta_rule`
@@ -39,7 +39,9 @@ ratios (timings live here, not in the GPU tests, so a busy machine cannot fail a
   the kernel's backward with 256-token blocks against 128 and 64;
 - inverse: the chunks' inverse A~ against FlashQLA's kkt_solve;
 - chunk_grads_l2norm: the chunk gradients then the L2 norm's backward kernel against the chunk
-  gradients with the norm's backward in their epilogues (backward.py picks by head layout).
+  gradients with the norm's backward in their epilogues (backward.py picks by head layout);
+- forward_registers: the forward walk against its candidate that makes P, Ab and -Ab D in registers
+  with unconditional loads and the causal mask after (`registers_first`).
 """
 from __future__ import annotations
 
@@ -475,8 +477,51 @@ def compare_inverse(rep_ms: int):
         yield name, times
 
 
+def compare_forward_registers(rep_ms: int):
+    """The forward walk (fused_forward.py) against its `registers_first` candidate, storing nothing and
+    everything (what the model keeps), on the forward's own gamma, A~ and plan. The candidate does the
+    same arithmetic in another order of loads and stores, so it raises unless every output (o, final
+    state, chunk states, Ab, P) is bitwise the walk's."""
+    from flashqla.hopper.chunk_plan import device_sm_count, plan_forward
+    from flashqla.hopper.cumsum import chunk_local_cumsum
+    from flashqla.hopper.fused_forward import MAX_VALUE_BLOCK, fused_forward
+    from flashqla.hopper.inverse import chunk_inverse
+    from flashqla.hopper.walk_bounds import walk_bounds
+
+    keeps = {"nothing": (False, False), "everything": (True, True)}
+    shapes = INVERSE_SHAPES + [("16/32 1x32768", (16, 32), [32768]), ("16/48 8192x4", (16, 48), [8192] * 4),
+                               ("16/32 8192x4", (16, 32), [8192] * 4), ("8/24 1x32768", (8, 24), [32768]),
+                               ("4/16 1x8192", (4, 16), [8192]),
+                               ("16/16 ragged", (16, 16), [1000, 0, 64, 2047, 1, 129, 640])]
+    for name, heads, seq_lens in shapes:
+        x = make_inputs(heads, seq_lens)
+        q, k, v, g, beta, cu = x["q"][0], x["k"][0], x["v"][0], x["g"][0], x["beta"][0], x["cu_seqlens"]
+        plan = plan_forward(cu, heads[1], 128, device_sm_count(q.device), MAX_VALUE_BLOCK,
+                            host_bounds=x["cu_seqlens_cpu"].tolist())
+        gamma = chunk_local_cumsum(g.unsqueeze(0), cu, chunk_index=plan.chunk_index).view(g.shape)
+        inverse = chunk_inverse(k, beta, cu, plan.chunk_index)
+        walk = walk_bounds(gamma, plan.pieces, cu, ahead=False)
+
+        def run(candidate, keep):
+            return fused_forward(q, k, v, gamma, beta, inverse, 128 ** -0.5, x["initial_state"], cu,
+                                 plan.value_block, plan.pieces, walk, store_chunk_states=keep[0],
+                                 store_products=keep[1], offsets=plan.chunk_offsets,
+                                 num_chunks=plan.chunk_index.shape[0], registers_first=candidate)
+
+        walk_out, candidate_out = run(False, keeps["everything"]), run(True, keeps["everything"])
+        differ = [label for label, a, b in zip(("o", "final state", "chunk states", "Ab", "P"), walk_out,
+                                               candidate_out) if not torch.equal(a, b)]
+        if differ:
+            raise AssertionError(f"forward_registers {name}: the candidate's {', '.join(differ)} differ from the walk's")
+        times = {}
+        for label, keep in keeps.items():
+            times[f"walk, {label}"] = _median_ms(lambda: run(False, keep), rep_ms)
+            times[f"registers first, {label}"] = _median_ms(lambda: run(True, keep), rep_ms)
+        yield f"{name} (V block {plan.value_block})", times
+
+
 COMPARISONS = {"keep_forward": compare_keep_forward, "conv": compare_conv, "inverse": compare_inverse,
-               "chunk_grads_l2norm": compare_chunk_grads_l2norm}
+               "chunk_grads_l2norm": compare_chunk_grads_l2norm, "forward_registers": compare_forward_registers}
 
 
 def run_comparisons(names: list[str], rep_ms: int, json_path: str | None) -> None:

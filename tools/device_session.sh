@@ -20,6 +20,7 @@
 #   tests-model         the GPU tests of the conv kernel and of qwen_hybrid/ only
 #   walk-timeline       tools/walk_timeline.py: the forward walk's cycles per role and segment of a chunk, on
 #                       16/64 x 32768 (storing everything and nothing), 16/64 8192x4, 16/16 x 131072 and 2/8 x 32768
+#                       (WALK_OPTION=name: a candidate's fused_forward switch)
 #   compare-conv        python -m flashqla.bench --compare conv (the conv kernel against torch.compile; its backward's token blocks)
 #   attention           python -m benchmarks.attention_backends (SDPA's kernels and varlen_attn; ATTENTION_ARGS)
 #   loss-curves         20 steps at 8192 tokens of this tree and of baseline/ (a git archive of an older commit), losses side by side
@@ -185,7 +186,7 @@ print(first_call_s(implementations([])["ours"], make_inputs(heads, lens)))' "${N
         step walk-timeline 240 60 bash -c 'for shape in "16/64 32768 everything" "16/64 32768 nothing" \
                 "16/64 8192,8192,8192,8192 everything" "16/16 131072 everything" "2/8 32768 everything"; do
             set -- $shape
-            '"$PYTHON"' tools/walk_timeline.py --heads $1 --lengths $2 --keep $3 || exit 1
+            '"$PYTHON"' tools/walk_timeline.py --heads $1 --lengths $2 --keep $3 '"${WALK_OPTION:+--option $WALK_OPTION}"' || exit 1
         done'
         ;;
     compare-conv)

@@ -1,7 +1,7 @@
 """Where a chunk's time goes in the forward walk, role by role, from the SM's clock (needs an SM90 GPU).
 
     python tools/walk_timeline.py [--heads 16/64] [--lengths 32768] [--keep everything|nothing]
-                                  [--skip 4] [--json PATH]
+                                  [--skip 4] [--option NAME] [--json PATH]
 
 Runs flashqla/hopper/fused_forward.py's walk once with `record_timeline` (each role's first thread
 reads clock64 at the TIMELINE_EVENTS of its loop, for the first TIMELINE_CHUNKS chunks of every CTA)
@@ -63,6 +63,8 @@ def main(argv=None) -> None:
     parser.add_argument("--keep", choices=("everything", "nothing"), default="everything",
                         help="what the walk stores: everything (the model's forward) or nothing (the bench's)")
     parser.add_argument("--skip", type=int, default=4, help="first chunks of every CTA left out")
+    parser.add_argument("--option", action="append", default=[],
+                        help="a keyword of fused_forward to set True (a candidate's switch); repeatable")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
 
@@ -84,11 +86,13 @@ def main(argv=None) -> None:
     inverse = chunk_inverse(k, beta, cu, plan.chunk_index)
     walk = walk_bounds(gamma, plan.pieces, cu, ahead=False)
     store = args.keep == "everything"
+    options = {name: True for name in args.option}
 
     def run(timeline=None):
         return fused_forward(q, k, v, gamma, beta, inverse, 128 ** -0.5, x["initial_state"], cu, plan.value_block,
                              plan.pieces, walk, store_chunk_states=store, store_products=store,
-                             offsets=plan.chunk_offsets, num_chunks=plan.chunk_index.shape[0], timeline=timeline)
+                             offsets=plan.chunk_offsets, num_chunks=plan.chunk_index.shape[0], timeline=timeline,
+                             **options)
 
     plain = run()
     stamps = torch.zeros(timeline_shape(plan.pieces.shape[0], heads[1], plan.value_block), dtype=torch.int64,
@@ -101,7 +105,7 @@ def main(argv=None) -> None:
         raise AssertionError("the recording walk's o differs from the walk's")
     summary = summarize(stamps.cpu().numpy(), TIMELINE_EVENTS, args.skip)
     print(f"{args.heads} x {args.lengths}, storing {args.keep}, V block {plan.value_block}, "
-          f"{stamps.shape[0]} CTAs")
+          f"{stamps.shape[0]} CTAs" + "".join(f", {name}" for name in args.option))
     print("\n".join(format_summary(summary)))
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1))

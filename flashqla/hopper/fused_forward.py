@@ -78,8 +78,10 @@ _ROLE_LEADERS = {"state": 0, "delta": WARPGROUP, "output": 2 * WARPGROUP, "store
 
 def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype: str = "float32",
                                  head_dim: int = HEAD_DIM, store_chunk_states: bool = False,
-                                 store_products: bool = False, record_timeline: bool = False):
-    """record_timeline: also write the clock at every TIMELINE_EVENTS point (a diagnostic: same outputs)."""
+                                 store_products: bool = False, record_timeline: bool = False,
+                                 registers_first: bool = False):
+    """record_timeline: also write the clock at every TIMELINE_EVENTS point (a diagnostic: same outputs).
+    registers_first (candidate): P made in registers and stored whole, masks as selects (loads unpredicated)."""
     num_tokens = T.dynamic("num_tokens")
     num_sequences = T.dynamic("num_sequences")
     num_pieces = T.dynamic("num_pieces")
@@ -170,12 +172,24 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
             # shared memory, TileLang would put a barrier between every two elements)
             T.copy(sh.a[stage, :, :], decayed_ab)
             T.copy(sh.a[stage, :, :], ab)
-            for t, s in T.Parallel(_C, _C):
-                decayed_ab[t, s] = T.if_then_else(
-                    s <= t, -sh.row_decay[stage, t] * sh.beta[stage, s] * decayed_ab[t, s], 0.0)
-            for t, s in T.Parallel(_C, _C):
-                ab[t, s] = T.if_then_else(
-                    s <= t, T.exp2(sh.gamma[stage, t] - sh.gamma[stage, s]) * sh.beta[stage, s] * ab[t, s], 0.0)
+            if registers_first:
+                # every element first, the causal mask after: the loads are then unconditional, so each
+                # thread reads each gamma and beta it needs once
+                for t, s in T.Parallel(_C, _C):
+                    decayed_ab[t, s] = -sh.row_decay[stage, t] * sh.beta[stage, s] * decayed_ab[t, s]
+                for t, s in T.Parallel(_C, _C):
+                    decayed_ab[t, s] = T.Select(s <= t, decayed_ab[t, s], T.cast(0, dtype))
+                for t, s in T.Parallel(_C, _C):
+                    ab[t, s] = T.exp2(sh.gamma[stage, t] - sh.gamma[stage, s]) * sh.beta[stage, s] * ab[t, s]
+                for t, s in T.Parallel(_C, _C):
+                    ab[t, s] = T.Select(s <= t, ab[t, s], 0.0)
+            else:
+                for t, s in T.Parallel(_C, _C):
+                    decayed_ab[t, s] = T.if_then_else(
+                        s <= t, -sh.row_decay[stage, t] * sh.beta[stage, s] * decayed_ab[t, s], 0.0)
+                for t, s in T.Parallel(_C, _C):
+                    ab[t, s] = T.if_then_else(
+                        s <= t, T.exp2(sh.gamma[stage, t] - sh.gamma[stage, s]) * sh.beta[stage, s] * ab[t, s], 0.0)
             T.copy(ab, sh.a[stage, :, :])
             stamp(timeline, cta, "delta", c, "ab_built")
             T.fence_proxy_async()
@@ -217,9 +231,18 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
             stamp(timeline, cta, "output", c, "tiles")
             T.gemm(sh.q[stage, :, :], sh.k[stage, :, :], qk, transpose_B=True, clear_accum=True)
             stamp(timeline, cta, "output", c, "qk")
-            for t, s in T.Parallel(_C, _C):
-                sh.p[stage, t, s] = T.if_then_else(
-                    s <= t, T.exp2(sh.gamma[stage, t] - sh.gamma[stage, s]) * cta.scale * qk[t, s], 0.0)
+            if registers_first:
+                # in registers, then stored whole: written element by element to shared memory, every
+                # store kept the next element's gamma loads behind it (the compiler cannot tell them apart)
+                for t, s in T.Parallel(_C, _C):
+                    qk[t, s] = T.exp2(sh.gamma[stage, t] - sh.gamma[stage, s]) * cta.scale * qk[t, s]
+                for t, s in T.Parallel(_C, _C):
+                    qk[t, s] = T.Select(s <= t, qk[t, s], 0.0)
+                T.copy(qk, sh.p[stage, :, :])
+            else:
+                for t, s in T.Parallel(_C, _C):
+                    sh.p[stage, t, s] = T.if_then_else(
+                        s <= t, T.exp2(sh.gamma[stage, t] - sh.gamma[stage, s]) * cta.scale * qk[t, s], 0.0)
             T.fence_proxy_async()
             stamp(timeline, cta, "output", c, "p_stored")
             T.barrier_wait(sh.state_ready[stage], (c // 2) % 2)
@@ -403,9 +426,10 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
 @functools.lru_cache(maxsize=None)
 def compile_fused_forward(value_block: int, dtype: str = "bfloat16", beta_dtype: str = "float32",
                                  head_dim: int = HEAD_DIM, store_chunk_states: bool = False,
-                                 store_products: bool = False, record_timeline: bool = False):
+                                 store_products: bool = False, record_timeline: bool = False,
+                                 registers_first: bool = False):
     program = fused_forward_program(value_block, dtype, beta_dtype, head_dim, store_chunk_states,
-                                           store_products, record_timeline)
+                                           store_products, record_timeline, registers_first)
     return compile_for_hopper(program, fast_math=True)
 
 
@@ -414,7 +438,7 @@ def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma: torc
                          cu_seqlens: torch.Tensor, value_block: int, pieces: torch.Tensor, walk_start: torch.Tensor,
                          store_chunk_states: bool = False, store_products: bool = False,
                          offsets: torch.Tensor | None = None, num_chunks: int | None = None,
-                         timeline: torch.Tensor | None = None):
+                         timeline: torch.Tensor | None = None, registers_first: bool = False):
     """(o, final_state, chunk_states or None, gated_inverse or None, scores or None) on flattened inputs.
 
     q, k: [T, Hqk, K]; v: [T, Hv, V]; gamma (fp32 chunk-local cumsum), beta: [T, Hv]; inverse: the
@@ -456,7 +480,8 @@ def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma: torc
                              f"{list(timeline.shape)}")
         clock = timeline
     kernel = compile_fused_forward(value_block, dtype_name(v), dtype_name(beta), head_dim,
-                                          store_chunk_states, store_products, timeline is not None)
+                                          store_chunk_states, store_products, timeline is not None,
+                                          registers_first)
     kernel(q, k, v, gamma, beta, inverse, initial_state, cu_seqlens, offsets, pieces, walk_start, o, final_state,
            states, gated_inverse, scores, clock, float(scale), int(use_initial_state))
     return (o, final_state, states if store_chunk_states else None,
