@@ -3,7 +3,7 @@ and side-by-side timings of kernel variants (--compare).
 
     python -m flashqla.bench [--fwd] [--bwd] [--json PATH] [--shapes SUBSTR,...] [--baselines fla,flashqla]
                              [--time-budget SECONDS] [--breakdown] [--model]
-    python -m flashqla.bench --compare [keep_forward,conv,inverse,chunk_grads_l2norm,forward_registers]
+    python -m flashqla.bench --compare [keep_forward,conv,inverse,chunk_grads_l2norm,forward_walk]
                              [--json PATH]
 
 Each library is called the way its users call it: ours through `flashqla.chunk_gated_delta_rule`
@@ -40,8 +40,7 @@ ratios (timings live here, not in the GPU tests, so a busy machine cannot fail a
 - inverse: the chunks' inverse A~ against FlashQLA's kkt_solve;
 - chunk_grads_l2norm: the chunk gradients then the L2 norm's backward kernel against the chunk
   gradients with the norm's backward in their epilogues (backward.py picks by head layout);
-- forward_registers: the forward walk against its candidate that makes P, Ab and -Ab D in registers
-  with unconditional loads and the causal mask after (`registers_first`).
+- forward_walk: the forward walk against its candidates (WALK_CANDIDATES), bitwise or it raises.
 """
 from __future__ import annotations
 
@@ -477,11 +476,11 @@ def compare_inverse(rep_ms: int):
         yield name, times
 
 
-def compare_forward_registers(rep_ms: int):
-    """The forward walk (fused_forward.py) against its `registers_first` candidate, storing nothing and
-    everything (what the model keeps), on the forward's own gamma, A~ and plan. The candidate does the
-    same arithmetic in another order of loads and stores, so it raises unless every output (o, final
-    state, chunk states, Ab, P) is bitwise the walk's."""
+def compare_forward_walk(rep_ms: int):
+    """The forward walk (fused_forward.py) against its candidates (WALK_CANDIDATES: fused_forward's
+    switches), storing nothing and everything (what the model keeps), on the forward's own gamma, A~ and
+    plan. The candidates do the walk's arithmetic in another arrangement, so it raises unless every
+    output (o, final state, chunk states, Ab, P) is bitwise the walk's."""
     from flashqla.hopper.chunk_plan import device_sm_count, plan_forward
     from flashqla.hopper.cumsum import chunk_local_cumsum
     from flashqla.hopper.fused_forward import MAX_VALUE_BLOCK, fused_forward
@@ -502,26 +501,34 @@ def compare_forward_registers(rep_ms: int):
         inverse = chunk_inverse(k, beta, cu, plan.chunk_index)
         walk = walk_bounds(gamma, plan.pieces, cu, ahead=False)
 
-        def run(candidate, keep):
+        def run(switches, keep):
             return fused_forward(q, k, v, gamma, beta, inverse, 128 ** -0.5, x["initial_state"], cu,
                                  plan.value_block, plan.pieces, walk, store_chunk_states=keep[0],
                                  store_products=keep[1], offsets=plan.chunk_offsets,
-                                 num_chunks=plan.chunk_index.shape[0], registers_first=candidate)
+                                 num_chunks=plan.chunk_index.shape[0], **switches)
 
-        walk_out, candidate_out = run(False, keeps["everything"]), run(True, keeps["everything"])
-        differ = [label for label, a, b in zip(("o", "final state", "chunk states", "Ab", "P"), walk_out,
-                                               candidate_out) if not torch.equal(a, b)]
-        if differ:
-            raise AssertionError(f"forward_registers {name}: the candidate's {', '.join(differ)} differ from the walk's")
+        walk_out = run({}, keeps["everything"])
+        for label, switches in WALK_CANDIDATES.items():
+            out = run(switches, keeps["everything"])
+            differ = [what for what, a, b in zip(("o", "final state", "chunk states", "Ab", "P"), walk_out, out)
+                      if not torch.equal(a, b)]
+            if differ:
+                raise AssertionError(f"forward_walk {name}: {label}'s {', '.join(differ)} differ from the walk's")
         times = {}
-        for label, keep in keeps.items():
-            times[f"walk, {label}"] = _median_ms(lambda: run(False, keep), rep_ms)
-            times[f"registers first, {label}"] = _median_ms(lambda: run(True, keep), rep_ms)
+        for keep_label, keep in keeps.items():
+            times[f"walk, {keep_label}"] = _median_ms(lambda: run({}, keep), rep_ms)
+            for label, switches in WALK_CANDIDATES.items():
+                times[f"{label}, {keep_label}"] = _median_ms(lambda: run(switches, keep), rep_ms)
         yield f"{name} (V block {plan.value_block})", times
 
 
+# fused_forward's switches of the walk's candidates, timed by --compare forward_walk
+WALK_CANDIDATES = {"Ab on warpgroup 2": {"ab_on_output": True},
+                   "Ab on warpgroup 2, products stored early": {"ab_on_output": True, "products_early": True}}
+
+
 COMPARISONS = {"keep_forward": compare_keep_forward, "conv": compare_conv, "inverse": compare_inverse,
-               "chunk_grads_l2norm": compare_chunk_grads_l2norm, "forward_registers": compare_forward_registers}
+               "chunk_grads_l2norm": compare_chunk_grads_l2norm, "forward_walk": compare_forward_walk}
 
 
 def run_comparisons(names: list[str], rep_ms: int, json_path: str | None) -> None:

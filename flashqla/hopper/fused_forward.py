@@ -79,9 +79,11 @@ _ROLE_LEADERS = {"state": 0, "delta": WARPGROUP, "output": 2 * WARPGROUP, "store
 def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype: str = "float32",
                                  head_dim: int = HEAD_DIM, store_chunk_states: bool = False,
                                  store_products: bool = False, record_timeline: bool = False,
-                                 registers_first: bool = False):
+                                 ab_on_output: bool = False, products_early: bool = False):
     """record_timeline: also write the clock at every TIMELINE_EVENTS point (a diagnostic: same outputs).
-    registers_first (candidate): P made in registers and stored whole, masks as selects (loads unpredicated)."""
+    ab_on_output (candidate): warpgroup 2 makes Ab, warpgroup 1 only -Ab D. products_early (candidate, with
+    ab_on_output): the store warp stores Ab and P as soon as warpgroup 2 has made them, before o."""
+    assert ab_on_output or not products_early
     num_tokens = T.dynamic("num_tokens")
     num_sequences = T.dynamic("num_sequences")
     num_pieces = T.dynamic("num_pieces")
@@ -145,6 +147,17 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
             T.copy(state, final_state[cta.sequence, cta.head, 0:K, cta.v0:cta.v0 + BV])
 
     @T.macro
+    def build_ab(sh, stage, ab):
+        """Ab = Gm A~ Bt over A~ in shared memory, through the float32 fragment ab. Every element first, the
+        causal mask after: the loads are then unconditional, so each thread reads each gamma and beta it
+        needs once (a masked expression loads under the mask, element by element)."""
+        for t, s in T.Parallel(_C, _C):
+            ab[t, s] = T.exp2(sh.gamma[stage, t] - sh.gamma[stage, s]) * sh.beta[stage, s] * ab[t, s]
+        for t, s in T.Parallel(_C, _C):
+            ab[t, s] = T.Select(s <= t, ab[t, s], 0.0)
+        T.copy(ab, sh.a[stage, :, :])
+
+    @T.macro
     def delta_warpgroup(sh, cta, timeline):
         """Warpgroup 1: the decays, Ab; X = Ab V and -Y = -(Ab D) K before S0 arrives, then Delta = X - Y S0
         and E Delta. (Ab D = D A~ Bt: no e^{-gamma}.) Ab is made here, not on warpgroup 2, so that X and Y
@@ -154,7 +167,7 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
         delta = T.alloc_fragment((_C, BV), "float32")
         neg_y = T.alloc_fragment((_C, K), "float32")
         decayed_ab = T.alloc_fragment((_C, _C), dtype)
-        ab = T.alloc_fragment((_C, _C), "float32")
+        ab = None if ab_on_output else T.alloc_fragment((_C, _C), "float32")
         for c in T.serial(cta.n_chunks):
             stage = c % 2
             last = T.min(cta.end - (cta.walk + c * _C), _C) - 1
@@ -171,26 +184,18 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
             # -(Ab D) = -D A~ Bt and Ab = Gm A~ Bt from A~, both through registers (updated in place in
             # shared memory, TileLang would put a barrier between every two elements)
             T.copy(sh.a[stage, :, :], decayed_ab)
-            T.copy(sh.a[stage, :, :], ab)
-            if registers_first:
-                # every element first, the causal mask after: the loads are then unconditional, so each
-                # thread reads each gamma and beta it needs once
-                for t, s in T.Parallel(_C, _C):
-                    decayed_ab[t, s] = -sh.row_decay[stage, t] * sh.beta[stage, s] * decayed_ab[t, s]
-                for t, s in T.Parallel(_C, _C):
-                    decayed_ab[t, s] = T.Select(s <= t, decayed_ab[t, s], T.cast(0, dtype))
-                for t, s in T.Parallel(_C, _C):
-                    ab[t, s] = T.exp2(sh.gamma[stage, t] - sh.gamma[stage, s]) * sh.beta[stage, s] * ab[t, s]
-                for t, s in T.Parallel(_C, _C):
-                    ab[t, s] = T.Select(s <= t, ab[t, s], 0.0)
+            if ab_on_output:
+                T.barrier_arrive(sh.a_read[stage])
             else:
-                for t, s in T.Parallel(_C, _C):
-                    decayed_ab[t, s] = T.if_then_else(
-                        s <= t, -sh.row_decay[stage, t] * sh.beta[stage, s] * decayed_ab[t, s], 0.0)
-                for t, s in T.Parallel(_C, _C):
-                    ab[t, s] = T.if_then_else(
-                        s <= t, T.exp2(sh.gamma[stage, t] - sh.gamma[stage, s]) * sh.beta[stage, s] * ab[t, s], 0.0)
-            T.copy(ab, sh.a[stage, :, :])
+                T.copy(sh.a[stage, :, :], ab)
+            # every element first, the causal mask after: the loads are then unconditional, so each thread
+            # reads each gamma and beta it needs once (a masked expression loads under the mask, element by element)
+            for t, s in T.Parallel(_C, _C):
+                decayed_ab[t, s] = -sh.row_decay[stage, t] * sh.beta[stage, s] * decayed_ab[t, s]
+            for t, s in T.Parallel(_C, _C):
+                decayed_ab[t, s] = T.Select(s <= t, decayed_ab[t, s], T.cast(0, dtype))
+            if not ab_on_output:
+                build_ab(sh, stage, ab)
             stamp(timeline, cta, "delta", c, "ab_built")
             T.fence_proxy_async()
             T.gemm(decayed_ab, sh.k[stage, :, :], neg_y, clear_accum=True)
@@ -203,6 +208,8 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
             T.copy(neg_y, neg_y_tile(sh))
             stamp(timeline, cta, "delta", c, "neg_y_stored")
             T.fence_proxy_async()
+            if ab_on_output:
+                T.barrier_wait(sh.ab_ready[stage], (c // 2) % 2)
             T.gemm(sh.a[stage, :, :], sh.v[stage, :, :], delta, clear_accum=True)
             stamp(timeline, cta, "delta", c, "x")
             T.barrier_wait(sh.state_ready[stage], (c // 2) % 2)
@@ -224,26 +231,30 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
         T.set_max_nreg(_MATH_REGISTERS, 1)
         qk = T.alloc_fragment((_C, _C), "float32")
         out = T.alloc_fragment((_C, BV), "float32")
+        ab = T.alloc_fragment((_C, _C), "float32") if ab_on_output else None
         for c in T.serial(cta.n_chunks):
             stage = c % 2
             stamp(timeline, cta, "output", c, "top")
             T.barrier_wait(sh.tiles_full[stage], (c // 2) % 2)
             stamp(timeline, cta, "output", c, "tiles")
+            if ab_on_output:
+                T.copy(sh.a[stage, :, :], ab)
+                T.barrier_wait(sh.a_read[stage], (c // 2) % 2)   # warpgroup 1 has read A~
+                build_ab(sh, stage, ab)
+                T.fence_proxy_async()
+                T.barrier_arrive(sh.ab_ready[stage])
             T.gemm(sh.q[stage, :, :], sh.k[stage, :, :], qk, transpose_B=True, clear_accum=True)
             stamp(timeline, cta, "output", c, "qk")
-            if registers_first:
-                # in registers, then stored whole: written element by element to shared memory, every
-                # store kept the next element's gamma loads behind it (the compiler cannot tell them apart)
-                for t, s in T.Parallel(_C, _C):
-                    qk[t, s] = T.exp2(sh.gamma[stage, t] - sh.gamma[stage, s]) * cta.scale * qk[t, s]
-                for t, s in T.Parallel(_C, _C):
-                    qk[t, s] = T.Select(s <= t, qk[t, s], 0.0)
-                T.copy(qk, sh.p[stage, :, :])
-            else:
-                for t, s in T.Parallel(_C, _C):
-                    sh.p[stage, t, s] = T.if_then_else(
-                        s <= t, T.exp2(sh.gamma[stage, t] - sh.gamma[stage, s]) * cta.scale * qk[t, s], 0.0)
+            # in registers, then stored whole: stored element by element, each store kept the next element's
+            # gamma loads behind it (the compiler cannot tell the buffers apart): 3.3k cycles of a 7k chunk
+            for t, s in T.Parallel(_C, _C):
+                qk[t, s] = T.exp2(sh.gamma[stage, t] - sh.gamma[stage, s]) * cta.scale * qk[t, s]
+            for t, s in T.Parallel(_C, _C):
+                qk[t, s] = T.Select(s <= t, qk[t, s], 0.0)
+            T.copy(qk, sh.p[stage, :, :])
             T.fence_proxy_async()
+            if products_early:
+                T.barrier_arrive(sh.products_ready[stage])
             stamp(timeline, cta, "output", c, "p_stored")
             T.barrier_wait(sh.state_ready[stage], (c // 2) % 2)
             stamp(timeline, cta, "output", c, "state_ready")
@@ -304,6 +315,18 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
             T.barrier_arrive(sh.tiles_full[stage])
 
     @T.macro
+    def store_ab_p(sh, cta, stage, left, last, own, gated_inverse, scores):
+        """Ab and P of the chunk in this stage (the first V block's CTA only: they do not depend on V)."""
+        if store_products and own and cta.vb == 0 and left + _C <= cta.end:
+            T.copy(sh.a[stage, :, :], gated_inverse[left:left + _C, cta.head, 0:_C])
+            T.copy(sh.p[stage, :, :], scores[left:left + _C, cta.head, 0:_C])
+        if store_products and own and cta.vb == 0 and left + _C > cta.end:
+            for t, s in T.Parallel(_C, _C):
+                if t <= last:
+                    gated_inverse[left + t, cta.head, s] = sh.a[stage, t, s]
+                    scores[left + t, cta.head, s] = sh.p[stage, t, s]
+
+    @T.macro
     def store_outputs(sh, cta, o, chunk_states, gated_inverse, scores, timeline):
         """The store warp: o, the chunk states, Ab and P of the piece's own chunks."""
         for c in T.serial(cta.n_chunks):
@@ -319,6 +342,9 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
                                               0:K, cta.v0:cta.v0 + BV])
             T.barrier_arrive(sh.state_free[stage])
             stamp(timeline, cta, "store", c, "state_stored")
+            if products_early and store_products:
+                T.barrier_wait(sh.products_ready[stage], (c // 2) % 2)
+                store_ab_p(sh, cta, stage, left, last, own, gated_inverse, scores)
             T.barrier_wait(sh.o_ready[stage], (c // 2) % 2)
             stamp(timeline, cta, "store", c, "o_ready")
             if own and left + _C <= cta.end:
@@ -329,14 +355,8 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
                         o[left + t, cta.head, cta.v0 + j] = sh.o[t, j]
             T.barrier_arrive(sh.o_free[stage])
             stamp(timeline, cta, "store", c, "o_stored")
-            if store_products and own and cta.vb == 0 and left + _C <= cta.end:
-                T.copy(sh.a[stage, :, :], gated_inverse[left:left + _C, cta.head, 0:_C])
-                T.copy(sh.p[stage, :, :], scores[left:left + _C, cta.head, 0:_C])
-            if store_products and own and cta.vb == 0 and left + _C > cta.end:
-                for t, s in T.Parallel(_C, _C):
-                    if t <= last:
-                        gated_inverse[left + t, cta.head, s] = sh.a[stage, t, s]
-                        scores[left + t, cta.head, s] = sh.p[stage, t, s]
+            if not products_early:
+                store_ab_p(sh, cta, stage, left, last, own, gated_inverse, scores)
             stamp(timeline, cta, "store", c, "products_stored")
             T.barrier_arrive(sh.tiles_free[stage])
 
@@ -401,6 +421,9 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
                 delta_free=T.alloc_barrier(arrive_count=[WARPGROUP] * 2),
                 o_ready=T.alloc_barrier(arrive_count=[WARPGROUP] * 2),
                 o_free=T.alloc_barrier(arrive_count=[32] * 2),
+                a_read=T.alloc_barrier(arrive_count=[WARPGROUP] * 2) if ab_on_output else None,
+                ab_ready=T.alloc_barrier(arrive_count=[WARPGROUP] * 2) if ab_on_output else None,
+                products_ready=T.alloc_barrier(arrive_count=[WARPGROUP] * 2) if products_early else None,
             )
             tx = T.get_thread_binding()
             if tx < WARPGROUP:
@@ -427,9 +450,9 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
 def compile_fused_forward(value_block: int, dtype: str = "bfloat16", beta_dtype: str = "float32",
                                  head_dim: int = HEAD_DIM, store_chunk_states: bool = False,
                                  store_products: bool = False, record_timeline: bool = False,
-                                 registers_first: bool = False):
+                                 ab_on_output: bool = False, products_early: bool = False):
     program = fused_forward_program(value_block, dtype, beta_dtype, head_dim, store_chunk_states,
-                                           store_products, record_timeline, registers_first)
+                                           store_products, record_timeline, ab_on_output, products_early)
     return compile_for_hopper(program, fast_math=True)
 
 
@@ -438,7 +461,8 @@ def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma: torc
                          cu_seqlens: torch.Tensor, value_block: int, pieces: torch.Tensor, walk_start: torch.Tensor,
                          store_chunk_states: bool = False, store_products: bool = False,
                          offsets: torch.Tensor | None = None, num_chunks: int | None = None,
-                         timeline: torch.Tensor | None = None, registers_first: bool = False):
+                         timeline: torch.Tensor | None = None, ab_on_output: bool = False,
+                         products_early: bool = False):
     """(o, final_state, chunk_states or None, gated_inverse or None, scores or None) on flattened inputs.
 
     q, k: [T, Hqk, K]; v: [T, Hv, V]; gamma (fp32 chunk-local cumsum), beta: [T, Hv]; inverse: the
@@ -481,7 +505,7 @@ def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma: torc
         clock = timeline
     kernel = compile_fused_forward(value_block, dtype_name(v), dtype_name(beta), head_dim,
                                           store_chunk_states, store_products, timeline is not None,
-                                          registers_first)
+                                          ab_on_output, products_early)
     kernel(q, k, v, gamma, beta, inverse, initial_state, cu_seqlens, offsets, pieces, walk_start, o, final_state,
            states, gated_inverse, scores, clock, float(scale), int(use_initial_state))
     return (o, final_state, states if store_chunk_states else None,
