@@ -523,8 +523,8 @@ def compare_forward_walk(rep_ms: int):
 
 
 # fused_forward's switches of the walk's candidates, timed by --compare forward_walk
-WALK_CANDIDATES = {"Ab on warpgroup 2": {"ab_on_output": True},
-                   "Ab on warpgroup 2, products stored early": {"ab_on_output": True, "products_early": True}}
+WALK_CANDIDATES = {"Ab on warpgroup 2, products early": {"ab_on_output": True, "products_early": True},
+                   "the same, Gm once": {"ab_on_output": True, "products_early": True, "decay_once": True}}
 
 
 COMPARISONS = {"keep_forward": compare_keep_forward, "conv": compare_conv, "inverse": compare_inverse,

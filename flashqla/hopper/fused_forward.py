@@ -79,11 +79,13 @@ _ROLE_LEADERS = {"state": 0, "delta": WARPGROUP, "output": 2 * WARPGROUP, "store
 def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype: str = "float32",
                                  head_dim: int = HEAD_DIM, store_chunk_states: bool = False,
                                  store_products: bool = False, record_timeline: bool = False,
-                                 ab_on_output: bool = False, products_early: bool = False):
+                                 ab_on_output: bool = False, products_early: bool = False,
+                                 decay_once: bool = False):
     """record_timeline: also write the clock at every TIMELINE_EVENTS point (a diagnostic: same outputs).
     ab_on_output (candidate): warpgroup 2 makes Ab, warpgroup 1 only -Ab D. products_early (candidate, with
-    ab_on_output): the store warp stores Ab and P as soon as warpgroup 2 has made them, before o."""
-    assert ab_on_output or not products_early
+    ab_on_output): the store warp stores Ab and P as soon as warpgroup 2 has made them, before o. decay_once
+    (candidate, with ab_on_output): warpgroup 2 makes Ab beside P after Q K^T, from one Gm."""
+    assert ab_on_output or not (products_early or decay_once)
     num_tokens = T.dynamic("num_tokens")
     num_sequences = T.dynamic("num_sequences")
     num_pieces = T.dynamic("num_pieces")
@@ -237,20 +239,34 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
             stamp(timeline, cta, "output", c, "top")
             T.barrier_wait(sh.tiles_full[stage], (c // 2) % 2)
             stamp(timeline, cta, "output", c, "tiles")
-            if ab_on_output:
+            if ab_on_output and not decay_once:
                 T.copy(sh.a[stage, :, :], ab)
                 T.barrier_wait(sh.a_read[stage], (c // 2) % 2)   # warpgroup 1 has read A~
                 build_ab(sh, stage, ab)
                 T.fence_proxy_async()
                 T.barrier_arrive(sh.ab_ready[stage])
+            if decay_once:
+                T.copy(sh.a[stage, :, :], ab)
             T.gemm(sh.q[stage, :, :], sh.k[stage, :, :], qk, transpose_B=True, clear_accum=True)
             stamp(timeline, cta, "output", c, "qk")
             # in registers, then stored whole: stored element by element, each store kept the next element's
             # gamma loads behind it (the compiler cannot tell the buffers apart): 3.3k cycles of a 7k chunk
-            for t, s in T.Parallel(_C, _C):
-                qk[t, s] = T.exp2(sh.gamma[stage, t] - sh.gamma[stage, s]) * cta.scale * qk[t, s]
-            for t, s in T.Parallel(_C, _C):
-                qk[t, s] = T.Select(s <= t, qk[t, s], 0.0)
+            if decay_once:  # Gm once for P and Ab (ab takes qk's layout)
+                for t, s in T.Parallel(_C, _C):
+                    qk[t, s] = T.exp2(sh.gamma[stage, t] - sh.gamma[stage, s]) * cta.scale * qk[t, s]
+                    ab[t, s] = T.exp2(sh.gamma[stage, t] - sh.gamma[stage, s]) * sh.beta[stage, s] * ab[t, s]
+                for t, s in T.Parallel(_C, _C):
+                    qk[t, s] = T.Select(s <= t, qk[t, s], 0.0)
+                    ab[t, s] = T.Select(s <= t, ab[t, s], 0.0)
+                T.barrier_wait(sh.a_read[stage], (c // 2) % 2)   # warpgroup 1 has read A~
+                T.copy(ab, sh.a[stage, :, :])
+                T.fence_proxy_async()
+                T.barrier_arrive(sh.ab_ready[stage])
+            else:
+                for t, s in T.Parallel(_C, _C):
+                    qk[t, s] = T.exp2(sh.gamma[stage, t] - sh.gamma[stage, s]) * cta.scale * qk[t, s]
+                for t, s in T.Parallel(_C, _C):
+                    qk[t, s] = T.Select(s <= t, qk[t, s], 0.0)
             T.copy(qk, sh.p[stage, :, :])
             T.fence_proxy_async()
             if products_early:
@@ -450,9 +466,11 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
 def compile_fused_forward(value_block: int, dtype: str = "bfloat16", beta_dtype: str = "float32",
                                  head_dim: int = HEAD_DIM, store_chunk_states: bool = False,
                                  store_products: bool = False, record_timeline: bool = False,
-                                 ab_on_output: bool = False, products_early: bool = False):
+                                 ab_on_output: bool = False, products_early: bool = False,
+                                 decay_once: bool = False):
     program = fused_forward_program(value_block, dtype, beta_dtype, head_dim, store_chunk_states,
-                                           store_products, record_timeline, ab_on_output, products_early)
+                                           store_products, record_timeline, ab_on_output, products_early,
+                                           decay_once)
     return compile_for_hopper(program, fast_math=True)
 
 
@@ -462,7 +480,7 @@ def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma: torc
                          store_chunk_states: bool = False, store_products: bool = False,
                          offsets: torch.Tensor | None = None, num_chunks: int | None = None,
                          timeline: torch.Tensor | None = None, ab_on_output: bool = False,
-                         products_early: bool = False):
+                         products_early: bool = False, decay_once: bool = False):
     """(o, final_state, chunk_states or None, gated_inverse or None, scores or None) on flattened inputs.
 
     q, k: [T, Hqk, K]; v: [T, Hv, V]; gamma (fp32 chunk-local cumsum), beta: [T, Hv]; inverse: the
@@ -505,7 +523,7 @@ def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma: torc
         clock = timeline
     kernel = compile_fused_forward(value_block, dtype_name(v), dtype_name(beta), head_dim,
                                           store_chunk_states, store_products, timeline is not None,
-                                          ab_on_output, products_early)
+                                          ab_on_output, products_early, decay_once)
     kernel(q, k, v, gamma, beta, inverse, initial_state, cu_seqlens, offsets, pieces, walk_start, o, final_state,
            states, gated_inverse, scores, clock, float(scale), int(use_initial_state))
     return (o, final_state, states if store_chunk_states else None,
