@@ -522,9 +522,9 @@ def compare_forward_walk(rep_ms: int):
         yield f"{name} (V block {plan.value_block})", times
 
 
-# fused_forward's switches of the walk's candidates, timed by --compare forward_walk
-WALK_CANDIDATES = {"Ab on warpgroup 2, products early": {"ab_on_output": True, "products_early": True},
-                   "the same, Gm once": {"ab_on_output": True, "products_early": True, "decay_once": True}}
+# fused_forward's switches of the walk's candidates, timed by --compare forward_walk (none now: the last ones,
+# Ab on warpgroup 2 from P's Gm with Ab and P stored first, became the walk; docs/kernel-notes.md)
+WALK_CANDIDATES: dict[str, dict] = {}
 
 
 COMPARISONS = {"keep_forward": compare_keep_forward, "conv": compare_conv, "inverse": compare_inverse,

@@ -15,10 +15,10 @@ inputs. The work of a chunk is spread over three math warpgroups and a producer 
 threads, one CTA per SM):
 
 - warpgroup 0 holds S: writes it to shared memory for the others, decays it, adds K^T (E Delta);
-- warpgroup 1 makes the decays, Ab (in place of A~), X, Y, then Delta and E Delta;
-- warpgroup 2 makes P, then O = scale D Q S0 + P Delta;
+- warpgroup 1 makes the decays, -Ab D (in registers), X, Y, then Delta and E Delta;
+- warpgroup 2 makes P and Ab (in place of A~) from one Gm, then O = scale D Q S0 + P Delta;
 - warpgroup 3: one warp each loads q/k, v/beta and A~/gamma (double-buffered, TMA for the tiles),
-  the fourth stores o, the chunk states and, for the backward, Ab and P.
+  the fourth stores the chunk states, then for the backward Ab and P, then o.
 
 No role waits for a whole chunk to end: the walk's chain is warpgroup 0's copy of S, warpgroup
 1's Y S0 and warpgroup 0's update, while warpgroup 2's output and the stores of chunk c
@@ -65,11 +65,11 @@ MAX_VALUE_BLOCK = 128
 # order in its loop), for the first TIMELINE_CHUNKS chunks of every CTA (tools/walk_timeline.py reads them)
 TIMELINE_EVENTS = {
     "state": ("top", "tiles", "state_free", "state_handed", "decays", "delta_ready", "updated"),
-    "delta": ("top", "tiles", "decays", "ab_built", "neg_y", "delta_free", "neg_y_stored", "x", "state_ready",
-              "y_s0", "delta_handed"),
-    "output": ("top", "tiles", "qk", "p_stored", "state_ready", "q_s0", "decays", "delta_ready", "p_delta",
-               "o_free", "o_handed"),
-    "store": ("top", "state_ready", "state_stored", "o_ready", "o_stored", "products_stored"),
+    "delta": ("top", "tiles", "decays", "neg_ab_d", "neg_y", "delta_free", "neg_y_stored", "ab_ready", "x",
+              "state_ready", "y_s0", "delta_handed"),
+    "output": ("top", "tiles", "qk", "gm", "a_read", "ab_handed", "p_stored", "state_ready", "q_s0", "decays",
+               "delta_ready", "p_delta", "o_free", "o_handed"),
+    "store": ("top", "state_ready", "state_stored", "products_stored", "o_ready", "o_stored"),
 }
 TIMELINE_CHUNKS = 64
 _TIMELINE_SLOTS = max(len(events) for events in TIMELINE_EVENTS.values())
@@ -78,14 +78,8 @@ _ROLE_LEADERS = {"state": 0, "delta": WARPGROUP, "output": 2 * WARPGROUP, "store
 
 def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype: str = "float32",
                                  head_dim: int = HEAD_DIM, store_chunk_states: bool = False,
-                                 store_products: bool = False, record_timeline: bool = False,
-                                 ab_on_output: bool = False, products_early: bool = False,
-                                 decay_once: bool = False):
-    """record_timeline: also write the clock at every TIMELINE_EVENTS point (a diagnostic: same outputs).
-    ab_on_output (candidate): warpgroup 2 makes Ab, warpgroup 1 only -Ab D. products_early (candidate, with
-    ab_on_output): the store warp stores Ab and P as soon as warpgroup 2 has made them, before o. decay_once
-    (candidate, with ab_on_output): warpgroup 2 makes Ab beside P after Q K^T, from one Gm."""
-    assert ab_on_output or not (products_early or decay_once)
+                                 store_products: bool = False, record_timeline: bool = False):
+    """record_timeline: also write the clock at every TIMELINE_EVENTS point (a diagnostic: same outputs)."""
     num_tokens = T.dynamic("num_tokens")
     num_sequences = T.dynamic("num_sequences")
     num_pieces = T.dynamic("num_pieces")
@@ -149,27 +143,14 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
             T.copy(state, final_state[cta.sequence, cta.head, 0:K, cta.v0:cta.v0 + BV])
 
     @T.macro
-    def build_ab(sh, stage, ab):
-        """Ab = Gm A~ Bt over A~ in shared memory, through the float32 fragment ab. Every element first, the
-        causal mask after: the loads are then unconditional, so each thread reads each gamma and beta it
-        needs once (a masked expression loads under the mask, element by element)."""
-        for t, s in T.Parallel(_C, _C):
-            ab[t, s] = T.exp2(sh.gamma[stage, t] - sh.gamma[stage, s]) * sh.beta[stage, s] * ab[t, s]
-        for t, s in T.Parallel(_C, _C):
-            ab[t, s] = T.Select(s <= t, ab[t, s], 0.0)
-        T.copy(ab, sh.a[stage, :, :])
-
-    @T.macro
     def delta_warpgroup(sh, cta, timeline):
-        """Warpgroup 1: the decays, Ab; X = Ab V and -Y = -(Ab D) K before S0 arrives, then Delta = X - Y S0
-        and E Delta. (Ab D = D A~ Bt: no e^{-gamma}.) Ab is made here, not on warpgroup 2, so that X and Y
-        need not wait for warpgroup 2's work on the chunk before. -Y waits in Delta's buffer at BV = K,
-        where shared memory has no room for another tile."""
+        """Warpgroup 1: the decays; -Y = -(Ab D) K and X = Ab V before S0 arrives, then Delta = X - Y S0 and
+        E Delta. Ab D = D A~ Bt (no e^{-gamma}) is made here from A~, in registers; Ab comes from warpgroup 2.
+        -Y waits in Delta's buffer at BV = K, where shared memory has no room for another tile."""
         T.set_max_nreg(_MATH_REGISTERS, 1)
         delta = T.alloc_fragment((_C, BV), "float32")
         neg_y = T.alloc_fragment((_C, K), "float32")
         decayed_ab = T.alloc_fragment((_C, _C), dtype)
-        ab = None if ab_on_output else T.alloc_fragment((_C, _C), "float32")
         for c in T.serial(cta.n_chunks):
             stage = c % 2
             last = T.min(cta.end - (cta.walk + c * _C), _C) - 1
@@ -183,22 +164,15 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
             T.barrier_arrive(sh.decays_ready[stage])
             T.barrier_wait(sh.decays_ready[stage], (c // 2) % 2)
             stamp(timeline, cta, "delta", c, "decays")
-            # -(Ab D) = -D A~ Bt and Ab = Gm A~ Bt from A~, both through registers (updated in place in
-            # shared memory, TileLang would put a barrier between every two elements)
             T.copy(sh.a[stage, :, :], decayed_ab)
-            if ab_on_output:
-                T.barrier_arrive(sh.a_read[stage])
-            else:
-                T.copy(sh.a[stage, :, :], ab)
+            T.barrier_arrive(sh.a_read[stage])   # warpgroup 2 may write Ab over A~
             # every element first, the causal mask after: the loads are then unconditional, so each thread
             # reads each gamma and beta it needs once (a masked expression loads under the mask, element by element)
             for t, s in T.Parallel(_C, _C):
                 decayed_ab[t, s] = -sh.row_decay[stage, t] * sh.beta[stage, s] * decayed_ab[t, s]
             for t, s in T.Parallel(_C, _C):
                 decayed_ab[t, s] = T.Select(s <= t, decayed_ab[t, s], T.cast(0, dtype))
-            if not ab_on_output:
-                build_ab(sh, stage, ab)
-            stamp(timeline, cta, "delta", c, "ab_built")
+            stamp(timeline, cta, "delta", c, "neg_ab_d")
             T.fence_proxy_async()
             T.gemm(decayed_ab, sh.k[stage, :, :], neg_y, clear_accum=True)
             stamp(timeline, cta, "delta", c, "neg_y")
@@ -210,8 +184,8 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
             T.copy(neg_y, neg_y_tile(sh))
             stamp(timeline, cta, "delta", c, "neg_y_stored")
             T.fence_proxy_async()
-            if ab_on_output:
-                T.barrier_wait(sh.ab_ready[stage], (c // 2) % 2)
+            T.barrier_wait(sh.ab_ready[stage], (c // 2) % 2)
+            stamp(timeline, cta, "delta", c, "ab_ready")
             T.gemm(sh.a[stage, :, :], sh.v[stage, :, :], delta, clear_accum=True)
             stamp(timeline, cta, "delta", c, "x")
             T.barrier_wait(sh.state_ready[stage], (c // 2) % 2)
@@ -229,48 +203,39 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
 
     @T.macro
     def output_warpgroup(sh, cta, timeline):
-        """Warpgroup 2: P, then O = scale D Q S0 + P Delta."""
+        """Warpgroup 2: P and Ab, from one Gm; then O = scale D Q S0 + P Delta. (Ab is made here, where
+        the wait for Delta leaves time, rather than on warpgroup 1, the walk's busiest.)"""
         T.set_max_nreg(_MATH_REGISTERS, 1)
         qk = T.alloc_fragment((_C, _C), "float32")
         out = T.alloc_fragment((_C, BV), "float32")
-        ab = T.alloc_fragment((_C, _C), "float32") if ab_on_output else None
+        ab = T.alloc_fragment((_C, _C), "float32")
         for c in T.serial(cta.n_chunks):
             stage = c % 2
             stamp(timeline, cta, "output", c, "top")
             T.barrier_wait(sh.tiles_full[stage], (c // 2) % 2)
             stamp(timeline, cta, "output", c, "tiles")
-            if ab_on_output and not decay_once:
-                T.copy(sh.a[stage, :, :], ab)
-                T.barrier_wait(sh.a_read[stage], (c // 2) % 2)   # warpgroup 1 has read A~
-                build_ab(sh, stage, ab)
-                T.fence_proxy_async()
-                T.barrier_arrive(sh.ab_ready[stage])
-            if decay_once:
-                T.copy(sh.a[stage, :, :], ab)
+            T.copy(sh.a[stage, :, :], ab)
             T.gemm(sh.q[stage, :, :], sh.k[stage, :, :], qk, transpose_B=True, clear_accum=True)
             stamp(timeline, cta, "output", c, "qk")
-            # in registers, then stored whole: stored element by element, each store kept the next element's
-            # gamma loads behind it (the compiler cannot tell the buffers apart): 3.3k cycles of a 7k chunk
-            if decay_once:  # Gm once for P and Ab (ab takes qk's layout)
-                for t, s in T.Parallel(_C, _C):
-                    qk[t, s] = T.exp2(sh.gamma[stage, t] - sh.gamma[stage, s]) * cta.scale * qk[t, s]
-                    ab[t, s] = T.exp2(sh.gamma[stage, t] - sh.gamma[stage, s]) * sh.beta[stage, s] * ab[t, s]
-                for t, s in T.Parallel(_C, _C):
-                    qk[t, s] = T.Select(s <= t, qk[t, s], 0.0)
-                    ab[t, s] = T.Select(s <= t, ab[t, s], 0.0)
-                T.barrier_wait(sh.a_read[stage], (c // 2) % 2)   # warpgroup 1 has read A~
-                T.copy(ab, sh.a[stage, :, :])
-                T.fence_proxy_async()
-                T.barrier_arrive(sh.ab_ready[stage])
-            else:
-                for t, s in T.Parallel(_C, _C):
-                    qk[t, s] = T.exp2(sh.gamma[stage, t] - sh.gamma[stage, s]) * cta.scale * qk[t, s]
-                for t, s in T.Parallel(_C, _C):
-                    qk[t, s] = T.Select(s <= t, qk[t, s], 0.0)
+            # In registers, then stored whole: stored element by element, each store kept the next element's
+            # gamma loads behind it (the compiler cannot tell the buffers apart: 3.3k cycles of a 7k chunk).
+            # Every element first, the causal mask after, so the loads are unconditional. ab takes qk's layout.
+            for t, s in T.Parallel(_C, _C):
+                qk[t, s] = T.exp2(sh.gamma[stage, t] - sh.gamma[stage, s]) * cta.scale * qk[t, s]
+                ab[t, s] = T.exp2(sh.gamma[stage, t] - sh.gamma[stage, s]) * sh.beta[stage, s] * ab[t, s]
+            for t, s in T.Parallel(_C, _C):
+                qk[t, s] = T.Select(s <= t, qk[t, s], 0.0)
+                ab[t, s] = T.Select(s <= t, ab[t, s], 0.0)
+            stamp(timeline, cta, "output", c, "gm")
+            T.barrier_wait(sh.a_read[stage], (c // 2) % 2)   # warpgroup 1 has read A~
+            stamp(timeline, cta, "output", c, "a_read")
+            T.copy(ab, sh.a[stage, :, :])
+            T.fence_proxy_async()
+            T.barrier_arrive(sh.ab_ready[stage])
+            stamp(timeline, cta, "output", c, "ab_handed")
             T.copy(qk, sh.p[stage, :, :])
             T.fence_proxy_async()
-            if products_early:
-                T.barrier_arrive(sh.products_ready[stage])
+            T.barrier_arrive(sh.products_ready[stage])
             stamp(timeline, cta, "output", c, "p_stored")
             T.barrier_wait(sh.state_ready[stage], (c // 2) % 2)
             stamp(timeline, cta, "output", c, "state_ready")
@@ -358,9 +323,11 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
                                               0:K, cta.v0:cta.v0 + BV])
             T.barrier_arrive(sh.state_free[stage])
             stamp(timeline, cta, "store", c, "state_stored")
-            if products_early and store_products:
+            # Ab and P before o: they are ready first, and every role waits for this warp to free the stage
+            if store_products:
                 T.barrier_wait(sh.products_ready[stage], (c // 2) % 2)
                 store_ab_p(sh, cta, stage, left, last, own, gated_inverse, scores)
+            stamp(timeline, cta, "store", c, "products_stored")
             T.barrier_wait(sh.o_ready[stage], (c // 2) % 2)
             stamp(timeline, cta, "store", c, "o_ready")
             if own and left + _C <= cta.end:
@@ -371,9 +338,6 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
                         o[left + t, cta.head, cta.v0 + j] = sh.o[t, j]
             T.barrier_arrive(sh.o_free[stage])
             stamp(timeline, cta, "store", c, "o_stored")
-            if not products_early:
-                store_ab_p(sh, cta, stage, left, last, own, gated_inverse, scores)
-            stamp(timeline, cta, "store", c, "products_stored")
             T.barrier_arrive(sh.tiles_free[stage])
 
     @T.prim_func
@@ -437,9 +401,9 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
                 delta_free=T.alloc_barrier(arrive_count=[WARPGROUP] * 2),
                 o_ready=T.alloc_barrier(arrive_count=[WARPGROUP] * 2),
                 o_free=T.alloc_barrier(arrive_count=[32] * 2),
-                a_read=T.alloc_barrier(arrive_count=[WARPGROUP] * 2) if ab_on_output else None,
-                ab_ready=T.alloc_barrier(arrive_count=[WARPGROUP] * 2) if ab_on_output else None,
-                products_ready=T.alloc_barrier(arrive_count=[WARPGROUP] * 2) if products_early else None,
+                a_read=T.alloc_barrier(arrive_count=[WARPGROUP] * 2),           # warpgroup 1 has read A~
+                ab_ready=T.alloc_barrier(arrive_count=[WARPGROUP] * 2),
+                products_ready=T.alloc_barrier(arrive_count=[WARPGROUP] * 2),   # Ab and P, for the store warp
             )
             tx = T.get_thread_binding()
             if tx < WARPGROUP:
@@ -465,12 +429,9 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
 @functools.lru_cache(maxsize=None)
 def compile_fused_forward(value_block: int, dtype: str = "bfloat16", beta_dtype: str = "float32",
                                  head_dim: int = HEAD_DIM, store_chunk_states: bool = False,
-                                 store_products: bool = False, record_timeline: bool = False,
-                                 ab_on_output: bool = False, products_early: bool = False,
-                                 decay_once: bool = False):
+                                 store_products: bool = False, record_timeline: bool = False):
     program = fused_forward_program(value_block, dtype, beta_dtype, head_dim, store_chunk_states,
-                                           store_products, record_timeline, ab_on_output, products_early,
-                                           decay_once)
+                                           store_products, record_timeline)
     return compile_for_hopper(program, fast_math=True)
 
 
@@ -479,8 +440,7 @@ def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma: torc
                          cu_seqlens: torch.Tensor, value_block: int, pieces: torch.Tensor, walk_start: torch.Tensor,
                          store_chunk_states: bool = False, store_products: bool = False,
                          offsets: torch.Tensor | None = None, num_chunks: int | None = None,
-                         timeline: torch.Tensor | None = None, ab_on_output: bool = False,
-                         products_early: bool = False, decay_once: bool = False):
+                         timeline: torch.Tensor | None = None):
     """(o, final_state, chunk_states or None, gated_inverse or None, scores or None) on flattened inputs.
 
     q, k: [T, Hqk, K]; v: [T, Hv, V]; gamma (fp32 chunk-local cumsum), beta: [T, Hv]; inverse: the
@@ -522,8 +482,7 @@ def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma: torc
                              f"{list(timeline.shape)}")
         clock = timeline
     kernel = compile_fused_forward(value_block, dtype_name(v), dtype_name(beta), head_dim,
-                                          store_chunk_states, store_products, timeline is not None,
-                                          ab_on_output, products_early, decay_once)
+                                          store_chunk_states, store_products, timeline is not None)
     kernel(q, k, v, gamma, beta, inverse, initial_state, cu_seqlens, offsets, pieces, walk_start, o, final_state,
            states, gated_inverse, scores, clock, float(scale), int(use_initial_state))
     return (o, final_state, states if store_chunk_states else None,
