@@ -476,49 +476,56 @@ def compare_inverse(rep_ms: int):
         yield name, times
 
 
-def compare_forward_walk(rep_ms: int):
-    """The forward walk (fused_forward.py) against its candidates (WALK_CANDIDATES: fused_forward's
-    switches), storing nothing and everything (what the model keeps), on the forward's own gamma, A~ and
-    plan. The candidates do the walk's arithmetic in another arrangement, so it raises unless every
-    output (o, final state, chunk states, Ab, P) is bitwise the walk's."""
+def forward_walk_on(heads: tuple[int, int], seq_lens: list[int]):
+    """fused_forward's walk on the bench's inputs with the forward's own gamma, A~ and plan (needs CUDA):
+    returns (run, plan), run(store_chunk_states, store_products, **keywords) calling the walk alone."""
     from flashqla.hopper.chunk_plan import device_sm_count, plan_forward
     from flashqla.hopper.cumsum import chunk_local_cumsum
     from flashqla.hopper.fused_forward import MAX_VALUE_BLOCK, fused_forward
     from flashqla.hopper.inverse import chunk_inverse
     from flashqla.hopper.walk_bounds import walk_bounds
 
+    x = make_inputs(heads, seq_lens)
+    q, k, v, g, beta, cu = x["q"][0], x["k"][0], x["v"][0], x["g"][0], x["beta"][0], x["cu_seqlens"]
+    plan = plan_forward(cu, heads[1], 128, device_sm_count(q.device), MAX_VALUE_BLOCK,
+                        host_bounds=x["cu_seqlens_cpu"].tolist())
+    gamma = chunk_local_cumsum(g.unsqueeze(0), cu, chunk_index=plan.chunk_index).view(g.shape)
+    inverse = chunk_inverse(k, beta, cu, plan.chunk_index)
+    walk = walk_bounds(gamma, plan.pieces, cu, ahead=False)
+
+    def run(store_chunk_states: bool, store_products: bool, **keywords):
+        return fused_forward(q, k, v, gamma, beta, inverse, 128 ** -0.5, x["initial_state"], cu, plan.value_block,
+                             plan.pieces, walk, store_chunk_states=store_chunk_states,
+                             store_products=store_products, offsets=plan.chunk_offsets,
+                             num_chunks=plan.chunk_index.shape[0], **keywords)
+
+    return run, plan
+
+
+def compare_forward_walk(rep_ms: int):
+    """The forward walk (fused_forward.py) against its candidates (WALK_CANDIDATES: fused_forward's
+    switches), storing nothing and everything (what the model keeps), on the forward's own gamma, A~ and
+    plan. The candidates do the walk's arithmetic in another arrangement, so it raises unless every
+    output (o, final state, chunk states, Ab, P) is bitwise the walk's."""
     keeps = {"nothing": (False, False), "everything": (True, True)}
     shapes = INVERSE_SHAPES + [("16/32 1x32768", (16, 32), [32768]), ("16/48 8192x4", (16, 48), [8192] * 4),
                                ("16/32 8192x4", (16, 32), [8192] * 4), ("8/24 1x32768", (8, 24), [32768]),
                                ("4/16 1x8192", (4, 16), [8192]),
                                ("16/16 ragged", (16, 16), [1000, 0, 64, 2047, 1, 129, 640])]
     for name, heads, seq_lens in shapes:
-        x = make_inputs(heads, seq_lens)
-        q, k, v, g, beta, cu = x["q"][0], x["k"][0], x["v"][0], x["g"][0], x["beta"][0], x["cu_seqlens"]
-        plan = plan_forward(cu, heads[1], 128, device_sm_count(q.device), MAX_VALUE_BLOCK,
-                            host_bounds=x["cu_seqlens_cpu"].tolist())
-        gamma = chunk_local_cumsum(g.unsqueeze(0), cu, chunk_index=plan.chunk_index).view(g.shape)
-        inverse = chunk_inverse(k, beta, cu, plan.chunk_index)
-        walk = walk_bounds(gamma, plan.pieces, cu, ahead=False)
-
-        def run(switches, keep):
-            return fused_forward(q, k, v, gamma, beta, inverse, 128 ** -0.5, x["initial_state"], cu,
-                                 plan.value_block, plan.pieces, walk, store_chunk_states=keep[0],
-                                 store_products=keep[1], offsets=plan.chunk_offsets,
-                                 num_chunks=plan.chunk_index.shape[0], **switches)
-
-        walk_out = run({}, keeps["everything"])
+        run, plan = forward_walk_on(heads, seq_lens)
+        walk_out = run(*keeps["everything"])
         for label, switches in WALK_CANDIDATES.items():
-            out = run(switches, keeps["everything"])
+            out = run(*keeps["everything"], **switches)
             differ = [what for what, a, b in zip(("o", "final state", "chunk states", "Ab", "P"), walk_out, out)
                       if not torch.equal(a, b)]
             if differ:
                 raise AssertionError(f"forward_walk {name}: {label}'s {', '.join(differ)} differ from the walk's")
         times = {}
         for keep_label, keep in keeps.items():
-            times[f"walk, {keep_label}"] = _median_ms(lambda: run({}, keep), rep_ms)
+            times[f"walk, {keep_label}"] = _median_ms(lambda: run(*keep), rep_ms)
             for label, switches in WALK_CANDIDATES.items():
-                times[f"{label}, {keep_label}"] = _median_ms(lambda: run(switches, keep), rep_ms)
+                times[f"{label}, {keep_label}"] = _median_ms(lambda: run(*keep, **switches), rep_ms)
         yield f"{name} (V block {plan.value_block})", times
 
 

@@ -70,33 +70,20 @@ def main(argv=None) -> None:
 
     import torch
 
-    from flashqla.bench import make_inputs
-    from flashqla.hopper.chunk_plan import device_sm_count, plan_forward
-    from flashqla.hopper.cumsum import chunk_local_cumsum
-    from flashqla.hopper.fused_forward import MAX_VALUE_BLOCK, TIMELINE_EVENTS, fused_forward, timeline_shape
-    from flashqla.hopper.inverse import chunk_inverse
-    from flashqla.hopper.walk_bounds import walk_bounds
+    from flashqla.bench import forward_walk_on
+    from flashqla.hopper.fused_forward import TIMELINE_EVENTS, timeline_shape
 
     heads = tuple(int(h) for h in args.heads.split("/"))
-    x = make_inputs(heads, [int(n) for n in args.lengths.split(",")])
-    q, k, v, g, beta, cu = x["q"][0], x["k"][0], x["v"][0], x["g"][0], x["beta"][0], x["cu_seqlens"]
-    plan = plan_forward(cu, heads[1], 128, device_sm_count(q.device), MAX_VALUE_BLOCK,
-                        host_bounds=x["cu_seqlens_cpu"].tolist())
-    gamma = chunk_local_cumsum(g.unsqueeze(0), cu, chunk_index=plan.chunk_index).view(g.shape)
-    inverse = chunk_inverse(k, beta, cu, plan.chunk_index)
-    walk = walk_bounds(gamma, plan.pieces, cu, ahead=False)
+    walk, plan = forward_walk_on(heads, [int(n) for n in args.lengths.split(",")])
     store = args.keep == "everything"
     options = {name: True for name in args.option}
 
     def run(timeline=None):
-        return fused_forward(q, k, v, gamma, beta, inverse, 128 ** -0.5, x["initial_state"], cu, plan.value_block,
-                             plan.pieces, walk, store_chunk_states=store, store_products=store,
-                             offsets=plan.chunk_offsets, num_chunks=plan.chunk_index.shape[0], timeline=timeline,
-                             **options)
+        return walk(store, store, timeline=timeline, **options)
 
     plain = run()
     stamps = torch.zeros(timeline_shape(plan.pieces.shape[0], heads[1], plan.value_block), dtype=torch.int64,
-                         device=q.device)
+                         device=plan.pieces.device)
     run(stamps)  # compiles the recording kernel
     stamps.zero_()
     recorded = run(stamps)
