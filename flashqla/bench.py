@@ -23,7 +23,7 @@ initial or final state, and the forward timed under autograd (what it keeps for 
 Per shape it also records each library's first call (compile included: FlashQLA compiles about a
 dozen TileLang kernels per head layout, minutes without a carried TileLang cache) and the relative
 L2 distance of o and the final state from FLA's.
---breakdown adds our per-stage times (planning uncached and cached, cumsum, the inverse, walk
+--breakdown adds our per-stage times (planning uncached and cached, gamma with the inverse, walk
 starts, the fused walk; with --model also the L2 norm and the walk storing what the backward
 reads), and with --bwd the backward's (state-gradient walk, its warm-up ends, chunk gradients, the
 group sums, and the walk that keep_for_backward="products" adds). --time-budget starts no shape that would likely end past the budget; the
@@ -171,29 +171,27 @@ def _breakdown_operands(inputs: dict, like_the_model: bool):
 
 
 def forward_breakdown(inputs: dict, rep_ms: int, like_the_model: bool = False) -> dict:
-    """Median ms of each stage of our forward (planning, cumsum, the inverse, walk starts, the fused
+    """Median ms of each stage of our forward (planning, gamma with the inverse, walk starts, the fused
     walk). like_the_model adds the in-kernel L2 norm and the walk a differentiated forward runs: the
     one that also stores Ab and P ("products") and the chunk states ("all")."""
     from triton.testing import do_bench
 
     from flashqla.hopper.autograd import l2_normalized
     from flashqla.hopper.chunk_plan import build_forward_plan, plan_forward
-    from flashqla.hopper.cumsum import chunk_local_cumsum
     from flashqla.hopper.forward import walk_chunks
     from flashqla.hopper.fused_forward import MAX_VALUE_BLOCK
-    from flashqla.hopper.inverse import chunk_inverse
+    from flashqla.hopper.inverse import gamma_and_inverse
     from flashqla.hopper.walk_bounds import walk_bounds
 
     q, k, v, g, beta, _ = _breakdown_operands(inputs, like_the_model)
     h0 = inputs["initial_state"]
     cu = inputs["cu_seqlens"]
     bounds = cu.tolist()
-    num_tokens, num_v_heads = g.shape
+    num_v_heads = g.shape[1]
     sm_count = torch.cuda.get_device_properties().multi_processor_count
     plan = plan_forward(cu, num_v_heads, 128, sm_count, MAX_VALUE_BLOCK)
     index = plan.chunk_index
-    gamma = chunk_local_cumsum(g[None], cu, chunk_index=index).view(num_tokens, num_v_heads)
-    inverse = chunk_inverse(k, beta, cu, index)
+    gamma, inverse = gamma_and_inverse(k, g, beta, cu, index)
 
     def walk(**stores):
         return walk_chunks(q, k, v, gamma, beta, inverse, 128 ** -0.5, h0, cu, plan, **stores)
@@ -204,8 +202,7 @@ def forward_breakdown(inputs: dict, rep_ms: int, like_the_model: bool = False) -
         # cached, with the host bounds the public op already holds (no sync): every later layer
         "plan_cached": lambda: plan_forward(cu, num_v_heads, 128, sm_count, MAX_VALUE_BLOCK,
                                             host_bounds=bounds),
-        "cumsum": lambda: chunk_local_cumsum(g[None], cu, chunk_index=index),
-        "inverse": lambda: chunk_inverse(k, beta, cu, index),
+        "gamma_inverse": lambda: gamma_and_inverse(k, g, beta, cu, index),
         "walk_starts": lambda: walk_bounds(gamma, plan.pieces, cu, ahead=False),
         "walk": walk,  # walk starts included
     }
@@ -456,10 +453,11 @@ INVERSE_SHAPES = [("16/64 1x32768", (16, 64), [32768]), ("16/64 8192x4", (16, 64
 
 
 def compare_inverse(rep_ms: int):
-    """A~ of every chunk (flashqla/hopper/inverse.py) against FlashQLA's kkt_solve, which makes the same
-    [T, Hv, 64] tensor, on the bench inputs (normalised k, fp32 beta); FlashQLA's only where it is installed."""
+    """A~ of every chunk (flashqla/hopper/inverse.py, which makes gamma beside it) against FlashQLA's kkt_solve,
+    which makes the same [T, Hv, 64] A~, on the bench inputs (normalised k, fp32 beta); FlashQLA's only where it
+    is installed."""
     from flashqla.hopper.chunk_plan import chunk_indices
-    from flashqla.hopper.inverse import chunk_inverse
+    from flashqla.hopper.inverse import gamma_and_inverse
 
     try:
         from flash_qla.ops.gated_delta_rule.chunk.hopper.kkt_solve import kkt_solve
@@ -467,9 +465,9 @@ def compare_inverse(rep_ms: int):
         kkt_solve = None
     for name, heads, seq_lens in INVERSE_SHAPES:
         x = make_inputs(heads, seq_lens)
-        k, beta, cu = x["k"][0], x["beta"][0], x["cu_seqlens"]
+        k, g, beta, cu = x["k"][0], x["g"][0], x["beta"][0], x["cu_seqlens"]
         index = chunk_indices(cu)
-        times = {"ours": _median_ms(lambda: chunk_inverse(k, beta, cu, index), rep_ms)}
+        times = {"ours": _median_ms(lambda: gamma_and_inverse(k, g, beta, cu, index), rep_ms)}
         if kkt_solve is not None:
             times["flashqla kkt_solve"] = _median_ms(lambda: kkt_solve(x["k"], x["beta"], cu_seqlens=x["cu_seqlens_long"]),
                                                      rep_ms)
@@ -480,17 +478,15 @@ def forward_walk_on(heads: tuple[int, int], seq_lens: list[int]):
     """fused_forward's walk on the bench's inputs with the forward's own gamma, A~ and plan (needs CUDA):
     returns (run, plan), run(store_chunk_states, store_products, **keywords) calling the walk alone."""
     from flashqla.hopper.chunk_plan import device_sm_count, plan_forward
-    from flashqla.hopper.cumsum import chunk_local_cumsum
     from flashqla.hopper.fused_forward import MAX_VALUE_BLOCK, fused_forward
-    from flashqla.hopper.inverse import chunk_inverse
+    from flashqla.hopper.inverse import gamma_and_inverse
     from flashqla.hopper.walk_bounds import walk_bounds
 
     x = make_inputs(heads, seq_lens)
     q, k, v, g, beta, cu = x["q"][0], x["k"][0], x["v"][0], x["g"][0], x["beta"][0], x["cu_seqlens"]
     plan = plan_forward(cu, heads[1], 128, device_sm_count(q.device), MAX_VALUE_BLOCK,
                         host_bounds=x["cu_seqlens_cpu"].tolist())
-    gamma = chunk_local_cumsum(g.unsqueeze(0), cu, chunk_index=plan.chunk_index).view(g.shape)
-    inverse = chunk_inverse(k, beta, cu, plan.chunk_index)
+    gamma, inverse = gamma_and_inverse(k, g, beta, cu, plan.chunk_index)
     walk = walk_bounds(gamma, plan.pieces, cu, ahead=False)
 
     def run(store_chunk_states: bool, store_products: bool, **keywords):

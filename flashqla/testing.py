@@ -63,17 +63,15 @@ def chunk_gradient_arguments(q, k, v, g, beta, do, cu_seqlens, seed: int = 0) ->
     index, gamma, A~); the chunk states and state gradients are random (a generator seeded `seed` on
     q's device), so that kernels compared on them see the same ones."""
     from flashqla.hopper.chunk_plan import chunk_indices
-    from flashqla.hopper.cumsum import chunk_local_cumsum
-    from flashqla.hopper.inverse import chunk_inverse
+    from flashqla.hopper.inverse import gamma_and_inverse
 
-    num_tokens, num_v_heads = g.shape
+    num_v_heads = g.shape[1]
     chunk_index = chunk_indices(cu_seqlens)
     beta = beta.float().contiguous()
-    gamma = chunk_local_cumsum(g.unsqueeze(0), cu_seqlens, chunk_index=chunk_index).view(num_tokens, num_v_heads)
+    gamma, inverse = gamma_and_inverse(k, g.contiguous(), beta, cu_seqlens, chunk_index)
     gen = torch.Generator(device=q.device).manual_seed(seed)
     states, state_grads = (torch.randn(chunk_index.shape[0], num_v_heads, 128, 128, generator=gen, device=q.device)
                            .to(torch.bfloat16) for _ in range(2))
-    return dict(q=q, k=k, v=v, gamma=gamma.contiguous(), beta=beta,
-                inverse=chunk_inverse(k, beta, cu_seqlens, chunk_index), chunk_states=states,
+    return dict(q=q, k=k, v=v, gamma=gamma, beta=beta, inverse=inverse, chunk_states=states,
                 chunk_state_grads=state_grads, do=do, scale=q.shape[-1] ** -0.5, cu_seqlens=cu_seqlens,
                 chunk_index=chunk_index)

@@ -8,8 +8,7 @@ The math they implement is docs/gdn-math.md. Entries (called with checked inputs
 
 One file per kernel, in pipeline order:
 
-- cumsum.py: chunk-local cumsum of g (gamma);
-- inverse.py: the gate-free inverse A~ of every chunk and value head;
+- inverse.py: the gate-free inverse A~ and gamma (the chunk-local cumsum of g) of every chunk and value head;
 - walk_bounds.py: where each piece of a split sequence starts its warm-up (forward) or ends it
   (backward), per head;
 - fused_forward.py: the forward's sequential walk, which builds Ab and P on chip from A~: o, the final

@@ -14,14 +14,12 @@ from flashqla.hopper.backward_chunk_grads import compile_chunk_grads
 from flashqla.hopper.backward_state_grads import compile_state_grads
 from flashqla.hopper.causal_conv import compile_conv_backward, compile_conv_forward
 from flashqla.hopper.chunk_states import compile_chunk_states
-from flashqla.hopper.cumsum import compile_cumsum
 from flashqla.hopper.fused_forward import compile_fused_forward
 from flashqla.hopper.inverse import compile_inverse
 from flashqla.hopper.l2norm import compile_l2norm_backward, compile_l2norm_forward
 from flashqla.hopper.walk_bounds import compile_walk_bounds
 
 COMPILE_CHECKS = [
-    ("chunk_local_cumsum", lambda: compile_cumsum()),
     ("chunk_inverse", lambda: compile_inverse()),
     ("fused_forward", lambda: compile_fused_forward(64)),
     ("fused_forward_keeping_all", lambda: compile_fused_forward(128, store_chunk_states=True, store_products=True)),

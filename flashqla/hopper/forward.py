@@ -1,9 +1,9 @@
 """The forward's entry: o and the final state from the kernels, in the order they run.
 
-1. `cumsum.py`: gamma, the chunk-local cumsum of g.
-2. `inverse.py`: the gate-free inverse A~ of every chunk and value head, in parallel.
-3. `chunk_plan.py`: the pieces each CTA walks (cached per cu_seqlens); `walk_bounds.py`: where each
-   (piece, head) starts its decay-truncated warm-up (docs/gdn-math.md §4).
+1. `chunk_plan.py`: the chunks, and the pieces each CTA walks (cached per cu_seqlens).
+2. `inverse.py`: gamma (the chunk-local cumsum of g) and the gate-free inverse A~ of every chunk and
+   value head, in parallel.
+3. `walk_bounds.py`: where each (piece, head) starts its decay-truncated warm-up (docs/gdn-math.md §4).
 4. `fused_forward.py`: the sequential walk over the chunks, building Ab and P on chip: o, the final
    state and, with `keep_for_backward`, Ab, P and the state entering every chunk.
 """
@@ -13,9 +13,8 @@ import torch
 
 from flashqla.hopper.chunk_plan import ForwardPlan, device_sm_count, flat_cu_seqlens, plan_forward
 from flashqla.hopper.common import DEFAULT_LOG_DECAY_THRESHOLD, unsupported_inputs
-from flashqla.hopper.cumsum import chunk_local_cumsum
 from flashqla.hopper.fused_forward import MAX_VALUE_BLOCK, fused_forward
-from flashqla.hopper.inverse import chunk_inverse
+from flashqla.hopper.inverse import gamma_and_inverse
 from flashqla.hopper.walk_bounds import walk_bounds
 
 
@@ -70,9 +69,8 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
 
     plan = plan_forward(cu_seqlens, num_v_heads, head_dim, device_sm_count(q.device), MAX_VALUE_BLOCK,
                         host_bounds=cu_seqlens_host)
-    gamma = chunk_local_cumsum(g.reshape(1, num_tokens, num_v_heads), cu_seqlens, chunk_index=plan.chunk_index)
-    gamma = gamma.view(num_tokens, num_v_heads)
-    inverse = chunk_inverse(k_flat, beta_flat, cu_seqlens, plan.chunk_index)
+    gamma, inverse = gamma_and_inverse(k_flat, g.reshape(num_tokens, num_v_heads).contiguous(), beta_flat,
+                                       cu_seqlens, plan.chunk_index)
     h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
     o, final_state, chunk_states, gated_inverse, scores = walk_chunks(
         q_flat, k_flat, v_flat, gamma, beta_flat, inverse, scale, h0, cu_seqlens, plan, log_decay_threshold,

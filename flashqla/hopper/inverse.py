@@ -1,16 +1,19 @@
-"""The gate-free inverse of every chunk (docs/gdn-math.md §2.3, §2.5):
+"""The gate-free inverse of every chunk (docs/gdn-math.md §2.3, §2.5), and gamma beside it:
 
     A~ = (I + L)^-1,   L = StrictLower(diag(beta) K K^T),   [T, Hv, 64] in k's dtype
+    gamma_t = g_1 + ... + g_t from the chunk's start (§2.1),  [T, Hv] float32
 
-the one [T, Hv, 64] tensor the forward walk (fused_forward.py) builds its products from and the
-backward reads. One CTA of 128 threads per (chunk, value head), solving by blocks, 16 -> 32 -> 64:
+the tensors the forward walk (fused_forward.py) builds its products from and the backward reads.
+One CTA of 128 threads per (chunk, value head), solving by blocks, 16 -> 32 -> 64:
 
-1. K K^T on tensor cores (bf16); L split into the parts each level reads.
+1. K K^T on tensor cores (bf16); L to shared memory in one pass, each level reading its blocks there.
 2. The four 16x16 diagonal blocks D_b = (I + L_bb)^-1: 64 threads, each one column by forward
    substitution in its registers.
 3. The lower-left 16x16 block of each 32x32 diagonal block: -D_{2p+1} L_{2p+1,2p} D_{2p} (CUDA cores).
 4. The lower-left 32x32 block: -A~_B L_BA A~_A, with A~_A, A~_B the 32x32 diagonal blocks (two tf32
    products on tensor cores).
+gamma is one thread's running sum over the chunk's tokens in order, made while the column solves run on
+two other warps (its own kernel launch cost more than its work).
 
 About 80k multiply-adds a chunk besides K K^T, where iterating Y <- D - N Y on whole 64x64 blocks
 takes 1M; small shared memory, so that MIN_BLOCKS_PER_SM CTAs share an SM and hide each other's
@@ -28,12 +31,12 @@ _THREADS = 128
 _C = CHUNK_SIZE
 _BLOCK = 16
 _HALF = _C // 2
-# Eight CTAs an SM (registers <= 64 a thread, ~20 KB of shared memory each): 32 warps hide each other's loads.
+# Eight CTAs an SM (registers <= 64 a thread, 27 KB of shared memory each): 32 warps hide each other's loads.
 MIN_BLOCKS_PER_SM = 8
 
 
 def inverse_program(head_dim: int = HEAD_DIM, dtype: str = "bfloat16", beta_dtype: str = "float32",
-                    min_blocks_per_sm: int = MIN_BLOCKS_PER_SM):
+                    g_dtype: str = "float32", min_blocks_per_sm: int = MIN_BLOCKS_PER_SM):
     num_tokens = T.dynamic("num_tokens")
     num_sequences = T.dynamic("num_sequences")
     num_chunks = T.dynamic("num_chunks")
@@ -43,18 +46,22 @@ def inverse_program(head_dim: int = HEAD_DIM, dtype: str = "bfloat16", beta_dtyp
     @T.prim_func
     def chunk_inverse_kernel(
         k: T.Tensor((num_tokens, num_qk_heads, head_dim), dtype),
+        g: T.Tensor((num_tokens, num_v_heads), g_dtype),
         beta: T.Tensor((num_tokens, num_v_heads), beta_dtype),
         cu_seqlens: T.Tensor((num_sequences + 1,), "int32"),
         chunk_index: T.Tensor((num_chunks, 2), "int32"),
+        gamma: T.Tensor((num_tokens, num_v_heads), "float32"),
         inverse: T.Tensor((num_tokens, num_v_heads, _C), dtype),
     ):
         # Value heads of one chunk are neighbours in the grid: a qk head's group reads its k tile from L2.
-        with T.Kernel(num_v_heads, num_chunks, threads=_THREADS) as (head, chunk):
+        # The group member as a grid axis of its own: no integer division by a run-time group size.
+        group = num_v_heads // num_qk_heads
+        with T.Kernel(group, num_qk_heads, num_chunks, threads=_THREADS) as (member, qk_head, chunk):
             # Held in variables: an expression is inlined into every index, as 64-bit divisions there.
-            qk_head = T.alloc_var("int32")
+            head = T.alloc_var("int32")
             start = T.alloc_var("int32")
             length = T.alloc_var("int32")
-            qk_head = head // (num_v_heads // num_qk_heads)
+            head = qk_head * group + member
             start = cu_seqlens[chunk_index[chunk, 0]] + chunk_index[chunk, 1] * _C
             length = T.min(cu_seqlens[chunk_index[chunk, 0] + 1] - start, _C)
             thread = T.get_thread_binding()
@@ -62,19 +69,19 @@ def inverse_program(head_dim: int = HEAD_DIM, dtype: str = "bfloat16", beta_dtyp
             T.annotate_min_blocks_per_sm(min_blocks_per_sm)
             k_shared = T.alloc_shared((_C, head_dim), dtype)
             beta_shared = T.alloc_shared((_C,), "float32")
+            g_shared = T.alloc_shared((_C,), "float32")
+            running = T.alloc_var("float32")
             gram = T.alloc_fragment((_C, _C), "float32")
-            # Plain layouts for the scalar levels. The diagonal blocks' rows are padded to 17 so that the
-            # two column solves of a warp (blocks b, b + 1) read different banks.
-            diag_lower = T.alloc_shared((4, _BLOCK, _BLOCK + 1), "float32")   # L_bb
-            sub_lower = T.alloc_shared((2, _BLOCK, _BLOCK), "float32")        # L_{2p+1,2p}
+            # beta_i (K K^T)_ij, whole: each level reads its blocks below the diagonal here
+            lower = T.alloc_shared((_C, _C), "float32")
             diag_inverse = T.alloc_shared((4, _BLOCK, _BLOCK), "float32")     # D_b
             merge = T.alloc_shared((2, _BLOCK, _BLOCK), "float32")            # L_{2p+1,2p} D_{2p}
             column = T.alloc_local((_BLOCK,), "float32")
             # Operands of the 32x32 products (TileLang lays them out for the tensor cores).
             cross_lower = T.alloc_shared((_HALF, _HALF), "float32")   # -L_BA = -L[32:, :32]
-            top = T.alloc_shared((_HALF, _HALF), "float32")           # A~_A = A~[:32, :32]
-            bottom = T.alloc_shared((_HALF, _HALF), "float32")        # A~_B = A~[32:, 32:]
-            partial = T.alloc_shared((_HALF, _HALF), "float32")       # -L_BA A~_A
+            # quarters[0] = A~_A = A~[:32, :32], quarters[1] = A~_B = A~[32:, 32:], quarters[2] = -L_BA A~_A:
+            # in L's bytes, once the last read of L is over
+            quarters = T.view(lower, (4, _HALF, _HALF))
             corner = T.alloc_fragment((_HALF, _HALF), "float32")
             out_shared = T.alloc_shared((_C, _C), dtype)
 
@@ -82,20 +89,22 @@ def inverse_program(head_dim: int = HEAD_DIM, dtype: str = "bfloat16", beta_dtyp
                 k_shared[t, d] = T.if_then_else(t < length, k[start + t, qk_head, d], T.cast(0, dtype))
             for t in T.Parallel(_C):
                 beta_shared[t] = T.if_then_else(t < length, T.cast(beta[start + t, head], "float32"), 0.0)
+                g_shared[t] = T.if_then_else(t < length, T.cast(g[start + t, head], "float32"), 0.0)
             T.gemm(k_shared, k_shared, gram, transpose_B=True, clear_accum=True)
 
-            # 1. L's parts: the diagonal blocks (strictly lower), the two 16x16 blocks below them inside
-            # the 32x32 diagonal blocks, and -L_BA. Rows past the chunk's end are zero (k and beta are).
+            # 1. L = beta_i (K K^T)_ij in one plain pass over the fragment (the later steps read only its
+            # strictly lower part, so nothing is masked); -L_BA = -L[32:, :32] as a tile of the tf32 product.
             for i, j in T.Parallel(_C, _C):
-                if i // _BLOCK == j // _BLOCK:
-                    diag_lower[i // _BLOCK, i % _BLOCK, j % _BLOCK] = T.if_then_else(
-                        j < i, beta_shared[i] * gram[i, j], 0.0)
-                if i // _BLOCK == j // _BLOCK + 1:
-                    if i // _HALF == j // _HALF:
-                        sub_lower[i // _HALF, i % _BLOCK, j % _BLOCK] = beta_shared[i] * gram[i, j]
-                if i >= _HALF:
-                    if j < _HALF:
-                        cross_lower[i - _HALF, j] = -beta_shared[i] * gram[i, j]
+                lower[i, j] = beta_shared[i] * gram[i, j]
+            for i, j in T.Parallel(_HALF, _HALF):
+                cross_lower[i, j] = -lower[_HALF + i, j]
+
+            # gamma: the running sum in token order, by the first thread of warp 2 (idle during the solves)
+            if thread == 4 * _BLOCK:
+                running = 0.0
+                for t in T.serial(length):
+                    running = running + g_shared[t]
+                    gamma[start + t, head] = running
 
             # 2. Column `col` of D_diag, by forward substitution in one thread's registers.
             diag = thread // _BLOCK
@@ -104,7 +113,7 @@ def inverse_program(head_dim: int = HEAD_DIM, dtype: str = "bfloat16", beta_dtyp
                 for i in T.unroll(_BLOCK):
                     column[i] = T.if_then_else(i == col, 1.0, 0.0)
                     for j in T.unroll(i):
-                        column[i] = column[i] - diag_lower[diag, i, j] * column[j]
+                        column[i] = column[i] - lower[diag * _BLOCK + i, diag * _BLOCK + j] * column[j]
                 for i in T.unroll(_BLOCK):
                     diag_inverse[diag, i, col] = column[i]
 
@@ -113,12 +122,12 @@ def inverse_program(head_dim: int = HEAD_DIM, dtype: str = "bfloat16", beta_dtyp
                 product = T.alloc_var("float32")
                 product = 0.0
                 for r in T.unroll(_BLOCK):
-                    product = product + sub_lower[p, i, r] * diag_inverse[2 * p, r, j]
+                    product = product + lower[(2 * p + 1) * _BLOCK + i, 2 * p * _BLOCK + r] * diag_inverse[2 * p, r, j]
                 merge[p, i, j] = product
             for i, j in T.Parallel(_HALF, _HALF):
-                top[i, j] = T.if_then_else(i // _BLOCK == j // _BLOCK,
+                quarters[0, i, j] = T.if_then_else(i // _BLOCK == j // _BLOCK,
                                            diag_inverse[i // _BLOCK, i % _BLOCK, j % _BLOCK], 0.0)
-                bottom[i, j] = T.if_then_else(i // _BLOCK == j // _BLOCK,
+                quarters[1, i, j] = T.if_then_else(i // _BLOCK == j // _BLOCK,
                                               diag_inverse[2 + i // _BLOCK, i % _BLOCK, j % _BLOCK], 0.0)
             for p, i, j in T.Parallel(2, _BLOCK, _BLOCK):
                 below = T.alloc_var("float32")
@@ -126,21 +135,21 @@ def inverse_program(head_dim: int = HEAD_DIM, dtype: str = "bfloat16", beta_dtyp
                 for r in T.unroll(_BLOCK):
                     below = below - diag_inverse[2 * p + 1, i, r] * merge[p, r, j]
                 if p == 0:
-                    top[_BLOCK + i, j] = below
+                    quarters[0, _BLOCK + i, j] = below
                 else:
-                    bottom[_BLOCK + i, j] = below
+                    quarters[1, _BLOCK + i, j] = below
 
             # 4. A~[32:, :32] = A~_B (-L_BA) A~_A.
-            T.gemm(cross_lower, top, corner, clear_accum=True)
-            T.copy(corner, partial)
-            T.gemm(bottom, partial, corner, clear_accum=True)
+            T.gemm(cross_lower, quarters[0, :, :], corner, clear_accum=True)
+            T.copy(corner, quarters[2, :, :])
+            T.gemm(quarters[1, :, :], quarters[2, :, :], corner, clear_accum=True)
 
             for i, j in T.Parallel(_HALF, _HALF):
                 out_shared[_HALF + i, j] = T.cast(corner[i, j], dtype)
             for i, j in T.Parallel(_HALF, _HALF):
-                out_shared[i, j] = T.cast(top[i, j], dtype)
+                out_shared[i, j] = T.cast(quarters[0, i, j], dtype)
                 out_shared[i, _HALF + j] = T.cast(0, dtype)
-                out_shared[_HALF + i, _HALF + j] = T.cast(bottom[i, j], dtype)
+                out_shared[_HALF + i, _HALF + j] = T.cast(quarters[1, i, j], dtype)
             for i, j in T.Parallel(_C, _C):
                 if i < length:
                     inverse[start + i, head, j] = out_shared[i, j]
@@ -150,18 +159,21 @@ def inverse_program(head_dim: int = HEAD_DIM, dtype: str = "bfloat16", beta_dtyp
 
 @functools.lru_cache(maxsize=None)
 def compile_inverse(head_dim: int = HEAD_DIM, dtype: str = "bfloat16", beta_dtype: str = "float32",
-                    min_blocks_per_sm: int = MIN_BLOCKS_PER_SM):
-    program = inverse_program(head_dim, dtype, beta_dtype, min_blocks_per_sm)
+                    g_dtype: str = "float32", min_blocks_per_sm: int = MIN_BLOCKS_PER_SM):
+    program = inverse_program(head_dim, dtype, beta_dtype, g_dtype, min_blocks_per_sm)
     return compile_for_hopper(program, fast_math=True)
 
 
-def chunk_inverse(k: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor, chunk_index: torch.Tensor) -> torch.Tensor:
-    """A~ of every chunk and value head, [T, Hv, 64] in k's dtype: k [T, Hqk, K], beta [T, Hv]
-    (float32, bf16 or fp16), cu_seqlens int32 [N + 1], chunk_index from chunk_plan.chunk_indices."""
+def gamma_and_inverse(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor,
+                      chunk_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gamma, A~) of every chunk and value head: gamma float32 [T, Hv], A~ [T, Hv, 64] in k's dtype,
+    for k [T, Hqk, K], g and beta [T, Hv] (float32, bf16 or fp16), cu_seqlens int32 [N + 1] and
+    chunk_index from chunk_plan.chunk_indices."""
     num_tokens, _, head_dim = k.shape
     num_v_heads = beta.shape[1]
+    gamma = torch.empty(num_tokens, num_v_heads, dtype=torch.float32, device=k.device)
     inverse = torch.empty(num_tokens, num_v_heads, _C, dtype=k.dtype, device=k.device)
     if chunk_index.shape[0] > 0:
-        kernel = compile_inverse(head_dim, dtype_name(k), dtype_name(beta))
-        kernel(k, beta, cu_seqlens, chunk_index, inverse)
-    return inverse
+        kernel = compile_inverse(head_dim, dtype_name(k), dtype_name(beta), dtype_name(g))
+        kernel(k, g, beta, cu_seqlens, chunk_index, gamma, inverse)
+    return gamma, inverse

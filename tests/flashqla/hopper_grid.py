@@ -81,6 +81,18 @@ def float64_reference(inputs):
               output_final_state=True, cu_seqlens=args["cu_seqlens"])
 
 
+def float64_gamma(g: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """gamma of docs/gdn-math.md §2.1 in float64: g [..., T, H] summed from each 64-token chunk's start,
+    chunks restarting at every sequence start ([T, H])."""
+    g = g.reshape(-1, g.shape[-1]).double()
+    gamma = torch.empty_like(g)
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds, bounds[1:]):
+        for chunk in range(start, end, 64):
+            gamma[chunk:min(chunk + 64, end)] = g[chunk:min(chunk + 64, end)].cumsum(0)
+    return gamma
+
+
 def float64_products(inputs, scale: float = 128 ** -0.5):
     """(A~, Ab, P), [T, Hv, 64] each in float64, of the op's inputs (q, k, g, beta, cu_seqlens): the
     reference's (flashqla.reference.chunk_products), what the kernels store in bf16."""

@@ -78,14 +78,11 @@ def test_chunk_states_match_fused_forward_final_state():
     """The state-only kernel's final state equals the fused kernel's, and its first chunk state is h0."""
     from flashqla.hopper.chunk_plan import chunk_indices, chunk_offsets
     from flashqla.hopper.chunk_states import chunk_states
-    from flashqla.hopper.cumsum import chunk_local_cumsum
-    from flashqla.hopper.inverse import chunk_inverse
+    from flashqla.hopper.inverse import gamma_and_inverse
 
     inputs = make_inputs(RAGGED, 2, 8, with_initial_state=True, seed=11)
     cu = inputs["cu_seqlens"]
-    T = inputs["q"].shape[1]
-    gamma = chunk_local_cumsum(inputs["g"], cu).view(T, 8)
-    inverse = chunk_inverse(inputs["k"][0], inputs["beta"][0], cu, chunk_indices(cu))
+    gamma, inverse = gamma_and_inverse(inputs["k"][0], inputs["g"][0], inputs["beta"][0], cu, chunk_indices(cu))
     states, final_state, _ = chunk_states(inputs["k"][0], inputs["v"][0], gamma, inputs["beta"][0], inverse,
                                           inputs["initial_state"], cu, value_block=64)
     _, ref_state = float64_reference(inputs)
@@ -101,14 +98,11 @@ def test_chunk_states_transition_composes():
     """S_end = M S_start + S_end|0 for the transition M of a sequence."""
     from flashqla.hopper.chunk_plan import chunk_indices
     from flashqla.hopper.chunk_states import chunk_states
-    from flashqla.hopper.cumsum import chunk_local_cumsum
-    from flashqla.hopper.inverse import chunk_inverse
+    from flashqla.hopper.inverse import gamma_and_inverse
 
     inputs = make_inputs([1000, 2048], 2, 8, with_initial_state=True, seed=5)
     cu = inputs["cu_seqlens"]
-    T = inputs["q"].shape[1]
-    gamma = chunk_local_cumsum(inputs["g"], cu).view(T, 8)
-    inverse = chunk_inverse(inputs["k"][0], inputs["beta"][0], cu, chunk_indices(cu))
+    gamma, inverse = gamma_and_inverse(inputs["k"][0], inputs["g"][0], inputs["beta"][0], cu, chunk_indices(cu))
     args = (inputs["k"][0], inputs["v"][0], gamma, inputs["beta"][0], inverse)
     _, zero_start, transition = chunk_states(*args, None, cu, value_block=64, store_chunk_states=False,
                                              with_transition=True)

@@ -1,4 +1,4 @@
-"""The inverse kernel (flashqla/hopper/inverse.py): A~ of every chunk against float64.
+"""The inverse kernel (flashqla/hopper/inverse.py): A~ and gamma of every chunk against float64.
 
 CPU: the block recipe the kernel follows, in torch (exact in float64; within budget with its 32x32
 products on tf32 operands), and an audit of the generated CUDA. GPU (marked gpu, SM90): A~ on the
@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from flashqla.testing import relative_error
-from hopper_grid import (HEAD_IDS, HEAD_LAYOUTS, LENGTHS, RAGGED, HardCase, float64_products, make_hard_inputs,
-                         make_inputs, on_hopper, poison_allocator, sequence_head_errors)
+from hopper_grid import (HEAD_IDS, HEAD_LAYOUTS, LENGTHS, RAGGED, HardCase, float64_gamma, float64_products,
+                         make_hard_inputs, make_inputs, on_hopper, poison_allocator, sequence_head_errors)
 
 requires_hopper = pytest.mark.skipif(not on_hopper, reason="needs an SM90 (Hopper) GPU")
 
@@ -117,30 +117,34 @@ def test_inverse_cuda_has_no_producer_and_safe_barriers():
 
 
 def flat_args(inputs):
-    """chunk_inverse's arguments for the op's inputs: flattened k and beta, cu_seqlens, the chunk index."""
+    """gamma_and_inverse's arguments for the op's inputs: flattened k, g and beta, cu_seqlens, the chunk index."""
     from flashqla.hopper.chunk_plan import chunk_indices
 
     _, total, num_qk_heads, head_dim = inputs["k"].shape
     num_v_heads = inputs["v"].shape[2]
     return dict(k=inputs["k"].reshape(total, num_qk_heads, head_dim).contiguous(),
+                g=inputs["g"].reshape(total, num_v_heads).contiguous(),
                 beta=inputs["beta"].reshape(total, num_v_heads).contiguous(), cu_seqlens=inputs["cu_seqlens"],
                 chunk_index=chunk_indices(inputs["cu_seqlens"]))
 
 
 def run_inverse(inputs):
-    from flashqla.hopper.inverse import chunk_inverse
+    """(gamma, A~) from the kernel, NaN in every free block first."""
+    from flashqla.hopper.inverse import gamma_and_inverse
 
     args = flat_args(inputs)
     poison_allocator()
-    return chunk_inverse(args["k"], args["beta"], args["cu_seqlens"], args["chunk_index"])
+    return gamma_and_inverse(**args)
 
 
 def check_against_float64(inputs, seq_lens, label: str):
-    ours = run_inverse(inputs)
+    gamma, ours = run_inverse(inputs)
     torch.cuda.synchronize()
     exact = float64_products(inputs)[0]
     # Every token row belongs to a chunk, so a NaN left here is a row the kernel never wrote.
-    assert torch.isfinite(ours).all(), f"{label}: NaN/Inf (unwritten rows?)"
+    assert torch.isfinite(ours).all() and torch.isfinite(gamma).all(), f"{label}: NaN/Inf (unwritten rows?)"
+    # 64 float32 additions at most: ~1e-7 over the tensor; a token off by one would be ~1e-2
+    assert relative_error(gamma, float64_gamma(inputs["g"], inputs["cu_seqlens"])) <= 1e-6
     tensor_error = relative_error(ours, exact)
     slices = sequence_head_errors(ours[None], exact[None], seq_lens)
     print(f"\n{label}: A~ relative L2 to float64 {tensor_error:.2e}, worst (sequence, head) {slices.worst:.2e} "
@@ -188,9 +192,9 @@ def test_inverse_of_large_groups(heads):
 @pytest.mark.parametrize("dtype,beta_dtype", [(torch.float16, torch.float32), (torch.bfloat16, torch.bfloat16)],
                          ids=["fp16", "bf16_beta"])
 def test_inverse_other_dtypes(dtype, beta_dtype):
-    """float16 k, and beta handed over in bf16 (the api passes bf16/fp16 beta through)."""
+    """float16 k, and beta and g handed over in bf16 (the api passes bf16/fp16 beta and g through)."""
     inputs = make_inputs([777, 1536], 4, 16, seed=3)
-    inputs = dict(inputs, k=inputs["k"].to(dtype), beta=inputs["beta"].to(beta_dtype))
+    inputs = dict(inputs, k=inputs["k"].to(dtype), beta=inputs["beta"].to(beta_dtype), g=inputs["g"].to(beta_dtype))
     ours = check_against_float64(inputs, [777, 1536], f"k {dtype}, beta {beta_dtype}")
     assert ours.dtype == dtype
 
@@ -200,4 +204,5 @@ def test_inverse_other_dtypes(dtype, beta_dtype):
 @pytest.mark.parametrize("heads", [(16, 64), (8, 24), (2, 8)], ids=["16_64", "8_24", "2_8"])
 def test_inverse_is_bitwise_deterministic(heads):
     inputs = make_inputs(RAGGED + [4096], *heads, seed=7)
-    assert torch.equal(run_inverse(inputs), run_inverse(inputs))
+    first, second = run_inverse(inputs), run_inverse(inputs)
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])

@@ -48,14 +48,12 @@ def test_kept_forward_gradients_match_float64(heads, lengths):
 
 @pytest.mark.parametrize("heads", [(16, 64), (2, 8), (1, 16)], ids=["16_64", "2_8", "1_16"])
 def test_kept_tensors_match_float64_and_the_state_only_walk(heads):
-    """gamma bitwise the cumsum kernel's; A~, Ab and P (made by the inverse kernels and inside the
+    """gamma within float32 rounding of float64; A~, Ab and P (made by the inverse kernel and inside the
     walk) within bf16 rounding of float64; the chunk states within tolerance of chunk_states.py's."""
-    from flashqla.hopper.chunk_plan import chunk_indices
     from flashqla.hopper.chunk_states import chunk_states
-    from flashqla.hopper.cumsum import chunk_local_cumsum
     from flashqla.hopper.forward import forward
     from flashqla.testing import relative_error
-    from hopper_grid import float64_products
+    from hopper_grid import float64_gamma, float64_products
 
     inputs = make_inputs(RAGGED + [8192], *heads, True, seed=3)
     num_tokens, num_v_heads = inputs["g"].shape[1:]
@@ -63,9 +61,8 @@ def test_kept_tensors_match_float64_and_the_state_only_walk(heads):
     _, _, kept = forward(*(inputs[n] for n in ARGS), SCALE, inputs["initial_state"], True,
                          inputs["cu_seqlens"], keep_for_backward=True)
     cu = inputs["cu_seqlens"]
-    index = chunk_indices(cu)
-    gamma = chunk_local_cumsum(inputs["g"], cu, chunk_index=index).view_as(kept.gamma)
-    assert torch.equal(kept.gamma, gamma)
+    # 64 float32 additions at most: ~1e-7 over the tensor; a token off by one would be ~1e-2
+    assert relative_error(kept.gamma, float64_gamma(inputs["g"], cu)) <= 1e-6
     for name, exact in zip(("inverse", "gated_inverse", "scores"), float64_products(inputs, SCALE)):
         mine = getattr(kept, name)
         assert torch.isfinite(mine).all(), f"{name}: NaN/Inf (unwritten rows?)"

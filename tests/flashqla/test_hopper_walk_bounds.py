@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hopper_grid import on_hopper
+from hopper_grid import float64_gamma, on_hopper
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not on_hopper, reason="needs an SM90 (Hopper) GPU")]
 
@@ -20,15 +20,13 @@ PLANS = {"2_8_131072": (8, [131072]), "16_16_131072": (16, [131072]), "16_64_327
 
 def chunk_local_gamma(cu_seqlens: torch.Tensor, num_heads: int, seed: int) -> torch.Tensor:
     """gamma [T, H] of a g with, by head: no decay, weak decay (-1e-3), rare -12 spikes, the anchors'."""
-    from flashqla.hopper.cumsum import chunk_local_cumsum
-
     gen = torch.Generator(device="cuda").manual_seed(seed)
     total = int(cu_seqlens[-1])
     anchors = F.logsigmoid(torch.randn(total, num_heads, generator=gen, device="cuda")) / 16
     spikes = torch.where(torch.rand(total, num_heads, generator=gen, device="cuda") < 1e-3, -12.0, 0.0)
     profile = torch.arange(num_heads, device="cuda") % 4
     g = torch.where(profile == 0, 0.0, torch.where(profile == 1, -1e-3, torch.where(profile == 2, spikes, anchors)))
-    return chunk_local_cumsum(g[None], cu_seqlens).view(total, num_heads)
+    return float64_gamma(g, cu_seqlens).float()
 
 
 @pytest.mark.parametrize("threshold", [-10.0, -3.0, float("-inf")], ids=["minus10", "minus3", "exact"])
