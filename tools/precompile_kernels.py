@@ -173,10 +173,10 @@ def compile_walks() -> None:
     keeps = ((False, False), (True, True), (False, True), (True, False))
     for dtype, beta_dtype in (("bfloat16", "float32"), ("bfloat16", "bfloat16"), ("float16", "float32")):
         compile_inverse(128, dtype, beta_dtype)
-    compile_inverse(128, "bfloat16", "bfloat16", "bfloat16")  # g in bf16 too (test_hopper_inverse.py)
         for value_block in (32, 64, 128):
             for states, products in keeps:
                 compile_fused_forward(value_block, dtype, beta_dtype, 128, states, products)
+    compile_inverse(128, "bfloat16", "bfloat16", "bfloat16")  # g in bf16 too (test_hopper_inverse.py)
     for value_block in (64, 128):  # tools/walk_timeline.py: the recording walk, storing everything or nothing
         for stored in (True, False):
             compile_fused_forward(value_block, "bfloat16", "float32", 128, stored, stored, record_timeline=True)
