@@ -70,6 +70,7 @@ def inverse_program(head_dim: int = HEAD_DIM, dtype: str = "bfloat16", beta_dtyp
             k_shared = T.alloc_shared((_C, head_dim), dtype)
             beta_shared = T.alloc_shared((_C,), "float32")
             g_shared = T.alloc_shared((_C,), "float32")
+            gamma_shared = T.alloc_shared((_C,), "float32")
             running = T.alloc_var("float32")
             gram = T.alloc_fragment((_C, _C), "float32")
             # beta_i (K K^T)_ij, whole: each level reads its blocks below the diagonal here
@@ -99,12 +100,13 @@ def inverse_program(head_dim: int = HEAD_DIM, dtype: str = "bfloat16", beta_dtyp
             for i, j in T.Parallel(_HALF, _HALF):
                 cross_lower[i, j] = -lower[_HALF + i, j]
 
-            # gamma: the running sum in token order, by the first thread of warp 2 (idle during the solves)
+            # gamma: the running sum in token order, by the first thread of warp 2 (idle during the solves),
+            # into shared memory (zeros past the chunk's end keep it a fixed, unrolled chain); stored below
             if thread == 4 * _BLOCK:
                 running = 0.0
-                for t in T.serial(length):
+                for t in T.unroll(_C):
                     running = running + g_shared[t]
-                    gamma[start + t, head] = running
+                    gamma_shared[t] = running
 
             # 2. Column `col` of D_diag, by forward substitution in one thread's registers.
             diag = thread // _BLOCK
@@ -153,6 +155,9 @@ def inverse_program(head_dim: int = HEAD_DIM, dtype: str = "bfloat16", beta_dtyp
             for i, j in T.Parallel(_C, _C):
                 if i < length:
                     inverse[start + i, head, j] = out_shared[i, j]
+            for t in T.Parallel(_C):
+                if t < length:
+                    gamma[start + t, head] = gamma_shared[t]
 
     return chunk_inverse_kernel
 
