@@ -13,7 +13,7 @@ One CTA of 128 threads per (chunk, value head), solving by blocks, 16 -> 32 -> 6
 4. The lower-left 32x32 block: -A~_B L_BA A~_A, with A~_A, A~_B the 32x32 diagonal blocks (two tf32
    products on tensor cores).
 gamma is one thread's running sum over the chunk's tokens in order, made while the column solves run on
-two other warps (its own kernel launch cost more than its work).
+two other warps: one launch fewer than a kernel of its own (docs/kernel-notes.md, twenty-fourth session).
 
 About 80k multiply-adds a chunk besides K K^T, where iterating Y <- D - N Y on whole 64x64 blocks
 takes 1M; small shared memory, so that MIN_BLOCKS_PER_SM CTAs share an SM and hide each other's
@@ -124,13 +124,14 @@ def inverse_program(head_dim: int = HEAD_DIM, dtype: str = "bfloat16", beta_dtyp
                 product = T.alloc_var("float32")
                 product = 0.0
                 for r in T.unroll(_BLOCK):
-                    product = product + lower[(2 * p + 1) * _BLOCK + i, 2 * p * _BLOCK + r] * diag_inverse[2 * p, r, j]
+                    product = product + (lower[(2 * p + 1) * _BLOCK + i, 2 * p * _BLOCK + r]
+                                         * diag_inverse[2 * p, r, j])
                 merge[p, i, j] = product
             for i, j in T.Parallel(_HALF, _HALF):
                 quarters[0, i, j] = T.if_then_else(i // _BLOCK == j // _BLOCK,
-                                           diag_inverse[i // _BLOCK, i % _BLOCK, j % _BLOCK], 0.0)
+                                                   diag_inverse[i // _BLOCK, i % _BLOCK, j % _BLOCK], 0.0)
                 quarters[1, i, j] = T.if_then_else(i // _BLOCK == j // _BLOCK,
-                                              diag_inverse[2 + i // _BLOCK, i % _BLOCK, j % _BLOCK], 0.0)
+                                                   diag_inverse[2 + i // _BLOCK, i % _BLOCK, j % _BLOCK], 0.0)
             for p, i, j in T.Parallel(2, _BLOCK, _BLOCK):
                 below = T.alloc_var("float32")
                 below = 0.0
