@@ -12,12 +12,14 @@ One CTA of 128 threads per (chunk, value head), solving by blocks, 16 -> 32 -> 6
 3. The lower-left 16x16 block of each 32x32 diagonal block: -D_{2p+1} L_{2p+1,2p} D_{2p} (CUDA cores).
 4. The lower-left 32x32 block: -A~_B L_BA A~_A, with A~_A, A~_B the 32x32 diagonal blocks (two tf32
    products on tensor cores).
-gamma is one thread's running sum over the chunk's tokens in order, made while the column solves run on
-two other warps: one launch fewer than a kernel of its own (docs/kernel-notes.md, twenty-fourth session).
+gamma is a warp-wide scan, made while the column solves run on two other warps: one launch fewer than a
+kernel of its own (docs/kernel-notes.md, twenty-fourth and twenty-fifth sessions).
 
 About 80k multiply-adds a chunk besides K K^T, where iterating Y <- D - N Y on whole 64x64 blocks
 takes 1M; small shared memory, so that MIN_BLOCKS_PER_SM CTAs share an SM and hide each other's
-loads. No T.Pipelined loop: every load is a plain synchronous copy, so there is no producer to race with.
+loads. k arrives by one TMA load, waited for before its first read; no T.Pipelined loop, so there is no
+producer to race with. Per-thread work is kept to few instructions (8 CTAs of 4 warps an SM issue on about
+half the cycles): k's tile by TMA, four sums a thread in step 3 (docs/kernel-notes.md, twenty-fifth session).
 """
 
 import functools
@@ -68,16 +70,21 @@ def inverse_program(head_dim: int = HEAD_DIM, dtype: str = "bfloat16", beta_dtyp
 
             T.annotate_min_blocks_per_sm(min_blocks_per_sm)
             k_shared = T.alloc_shared((_C, head_dim), dtype)
+            k_loaded = T.alloc_barrier([1])
             beta_shared = T.alloc_shared((_C,), "float32")
             g_shared = T.alloc_shared((_C,), "float32")
             gamma_shared = T.alloc_shared((_C,), "float32")
             running = T.alloc_var("float32")
+            shifted = T.alloc_var("float32")
+            first = T.alloc_var("float32")
             gram = T.alloc_fragment((_C, _C), "float32")
             # beta_i (K K^T)_ij, whole: each level reads its blocks below the diagonal here
             lower = T.alloc_shared((_C, _C), "float32")
             diag_inverse = T.alloc_shared((4, _BLOCK, _BLOCK), "float32")     # D_b
             merge = T.alloc_shared((2, _BLOCK, _BLOCK), "float32")            # L_{2p+1,2p} D_{2p}
             column = T.alloc_local((_BLOCK,), "float32")
+            sums = T.alloc_local((4,), "float32")
+            left = T.alloc_var("float32")
             # Operands of the 32x32 products (TileLang lays them out for the tensor cores).
             cross_lower = T.alloc_shared((_HALF, _HALF), "float32")   # -L_BA = -L[32:, :32]
             # quarters[0] = A~_A = A~[:32, :32], quarters[1] = A~_B = A~[32:, 32:], quarters[2] = -L_BA A~_A:
@@ -86,11 +93,16 @@ def inverse_program(head_dim: int = HEAD_DIM, dtype: str = "bfloat16", beta_dtyp
             corner = T.alloc_fragment((_HALF, _HALF), "float32")
             out_shared = T.alloc_shared((_C, _C), dtype)
 
-            for t, d in T.Parallel(_C, head_dim):
-                k_shared[t, d] = T.if_then_else(t < length, k[start + t, qk_head, d], T.cast(0, dtype))
+            # The whole tile by TMA: rows past the chunk's end (the next sequence's k, or TMA's zeros past the
+            # tensor) reach only rows of K K^T that beta = 0 clears and entries above the diagonal, which no
+            # step reads. Per-thread masked loads took 250 of the kernel's 1536 instructions (SASS).
+            T.tma_copy(k[start:start + _C, qk_head, 0:head_dim], k_shared, barrier=k_loaded[0])
+            if T.shuffle_elect(_THREADS):
+                T.barrier_arrive(k_loaded[0])
             for t in T.Parallel(_C):
                 beta_shared[t] = T.if_then_else(t < length, T.cast(beta[start + t, head], "float32"), 0.0)
                 g_shared[t] = T.if_then_else(t < length, T.cast(g[start + t, head], "float32"), 0.0)
+            T.mbarrier_wait_parity(k_loaded[0], 0)
             T.gemm(k_shared, k_shared, gram, transpose_B=True, clear_accum=True)
 
             # 1. L = beta_i (K K^T)_ij in one plain pass over the fragment (the later steps read only its
@@ -100,13 +112,19 @@ def inverse_program(head_dim: int = HEAD_DIM, dtype: str = "bfloat16", beta_dtyp
             for i, j in T.Parallel(_HALF, _HALF):
                 cross_lower[i, j] = -lower[_HALF + i, j]
 
-            # gamma: the running sum in token order, by the first thread of warp 2 (idle during the solves),
-            # into shared memory (zeros past the chunk's end keep it a fixed, unrolled chain); stored below
-            if thread == 4 * _BLOCK:
-                running = 0.0
-                for t in T.unroll(_C):
-                    running = running + g_shared[t]
-                    gamma_shared[t] = running
+            # gamma: a scan by warp 2 (idle during the solves), two tokens a lane: the pair's sum, an inclusive
+            # scan of the pairs by shuffles, the previous lane's total below the pair. One thread's running sum
+            # instead serialised 64 shared-memory round trips (docs/kernel-notes.md, twenty-fifth session).
+            if thread // 32 == 2:
+                lane = thread % 32
+                first = g_shared[2 * lane]
+                running = first + g_shared[2 * lane + 1]
+                for o in T.unroll(5):
+                    shifted = T.shfl_up(running, 1 << o)
+                    running = running + T.if_then_else(lane >= (1 << o), shifted, 0.0)
+                shifted = T.shfl_up(running, 1)
+                gamma_shared[2 * lane] = T.if_then_else(lane > 0, shifted, 0.0) + first
+                gamma_shared[2 * lane + 1] = running
 
             # 2. Column `col` of D_diag, by forward substitution in one thread's registers.
             diag = thread // _BLOCK
@@ -120,27 +138,30 @@ def inverse_program(head_dim: int = HEAD_DIM, dtype: str = "bfloat16", beta_dtyp
                     diag_inverse[diag, i, col] = column[i]
 
             # 3. The 32x32 diagonal blocks: D on their diagonal, zero above, -D_{2p+1} L_{2p+1,2p} D_{2p} below.
-            for p, i, j in T.Parallel(2, _BLOCK, _BLOCK):
-                product = T.alloc_var("float32")
-                product = 0.0
-                for r in T.unroll(_BLOCK):
-                    product = product + (lower[(2 * p + 1) * _BLOCK + i, 2 * p * _BLOCK + r]
-                                         * diag_inverse[2 * p, r, j])
-                merge[p, i, j] = product
+            # A thread a (block p, row, four columns): one left operand serves four sums, and the right ones
+            # are four neighbours (a quarter of the shared loads of one thread per entry).
+            block = thread // (4 * _BLOCK)
+            row = thread // 4 % _BLOCK
+            cols = thread % 4 * 4
+            T.clear(sums)
+            for r in T.unroll(_BLOCK):
+                left = lower[(2 * block + 1) * _BLOCK + row, 2 * block * _BLOCK + r]
+                for c in T.vectorized(4):
+                    sums[c] = sums[c] + left * diag_inverse[2 * block, r, cols + c]
+            for c in T.vectorized(4):
+                merge[block, row, cols + c] = sums[c]
             for i, j in T.Parallel(_HALF, _HALF):
                 quarters[0, i, j] = T.if_then_else(i // _BLOCK == j // _BLOCK,
                                                    diag_inverse[i // _BLOCK, i % _BLOCK, j % _BLOCK], 0.0)
                 quarters[1, i, j] = T.if_then_else(i // _BLOCK == j // _BLOCK,
                                                    diag_inverse[2 + i // _BLOCK, i % _BLOCK, j % _BLOCK], 0.0)
-            for p, i, j in T.Parallel(2, _BLOCK, _BLOCK):
-                below = T.alloc_var("float32")
-                below = 0.0
-                for r in T.unroll(_BLOCK):
-                    below = below - diag_inverse[2 * p + 1, i, r] * merge[p, r, j]
-                if p == 0:
-                    quarters[0, _BLOCK + i, j] = below
-                else:
-                    quarters[1, _BLOCK + i, j] = below
+            T.clear(sums)
+            for r in T.unroll(_BLOCK):
+                left = diag_inverse[2 * block + 1, row, r]
+                for c in T.vectorized(4):
+                    sums[c] = sums[c] - left * merge[block, r, cols + c]
+            for c in T.vectorized(4):
+                quarters[block, _BLOCK + row, cols + c] = sums[c]
 
             # 4. A~[32:, :32] = A~_B (-L_BA) A~_A.
             T.gemm(cross_lower, quarters[0, :, :], corner, clear_accum=True)

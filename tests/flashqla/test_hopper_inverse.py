@@ -99,11 +99,12 @@ def _blocks_opened_by(source: str, opening: str) -> list[str]:
     return bodies
 
 
-def test_inverse_cuda_has_no_producer_and_safe_barriers():
+def test_inverse_cuda_loads_k_once_and_has_safe_barriers():
     """Audit of the generated CUDA, repeated on every TileLang version: the occupancy the kernel is built
-    for; no asynchronous producer (mbarriers/TMA) to race with; no barrier inside the per-thread column
-    solve (only 64 threads reach it: a deadlock); no barrier at the top of an element loop (TileLang adds
-    one per element when a loop reads a shared buffer indexed by a run-time value and writes another)."""
+    for; one TMA load (k's tile), armed once and waited for once before the first product reads it, so
+    no load can land in bytes that L reuses later; no barrier inside the per-thread column solve (only
+    64 threads reach it: a deadlock); no barrier at the top of an element loop (TileLang adds one per
+    element when a loop reads a shared buffer indexed by a run-time value and writes another)."""
     pytest.importorskip("tilelang")
     if shutil.which("nvcc") is None:
         pytest.skip("needs nvcc to build the sm_90a kernel")
@@ -111,7 +112,9 @@ def test_inverse_cuda_has_no_producer_and_safe_barriers():
 
     source = compile_inverse().get_kernel_source()
     assert f"__launch_bounds__(128, {MIN_BLOCKS_PER_SM})" in source
-    assert "mbarrier" not in source and "tma_load" not in source
+    assert source.count("arrive_and_expect_tx(") == 1 and source.count(".wait(") == 1
+    assert source.count("tl::tma_load(") == 1 and "k_desc" in source.split("tl::tma_load(")[1].split(")")[0]
+    assert source.index("tl::tma_load(") < source.index(".wait(") < source.index("tl::wgmma")
     column_solves = _blocks_opened_by(source, "if (((int)threadIdx.x) < 64)")
     assert len(column_solves) >= 2 and not any("__syncthreads" in body for body in column_solves)
     assert not re.search(r"for \(int [^)]*\) \{\s*__syncthreads\(\);", source)
