@@ -255,7 +255,7 @@ def backward_breakdown(inputs: dict, rep_ms: int, like_the_model: bool = False) 
 
     def chunk_grads():
         return chunk_gradients(q, k, v, gamma, beta32, kept.inverse, kept.chunk_states, state_grad_tensor, do,
-                               128 ** -0.5, cu, plan.chunk_index, q_rstd=q_rstd, k_rstd=k_rstd)
+                               128 ** -0.5, plan.chunk_bounds, q_rstd=q_rstd, k_rstd=k_rstd)
 
     dq_head = chunk_grads()[0]
     stages = {

@@ -62,7 +62,7 @@ def chunk_gradient_arguments(q, k, v, g, beta, do, cu_seqlens, seed: int = 0) ->
     [T, Hqk, 128]; v, do [T, Hv, 128]; g, beta [T, Hv]), built by the stages backward.py runs (chunk
     index, gamma, A~); the chunk states and state gradients are random (a generator seeded `seed` on
     q's device), so that kernels compared on them see the same ones."""
-    from flashqla.hopper.chunk_plan import chunk_indices
+    from flashqla.hopper.chunk_plan import chunk_bounds, chunk_indices
     from flashqla.hopper.inverse import gamma_and_inverse
 
     num_v_heads = g.shape[1]
@@ -73,5 +73,5 @@ def chunk_gradient_arguments(q, k, v, g, beta, do, cu_seqlens, seed: int = 0) ->
     states, state_grads = (torch.randn(chunk_index.shape[0], num_v_heads, 128, 128, generator=gen, device=q.device)
                            .to(torch.bfloat16) for _ in range(2))
     return dict(q=q, k=k, v=v, gamma=gamma, beta=beta, inverse=inverse, chunk_states=states,
-                chunk_state_grads=state_grads, do=do, scale=q.shape[-1] ** -0.5, cu_seqlens=cu_seqlens,
-                chunk_index=chunk_index)
+                chunk_state_grads=state_grads, do=do, scale=q.shape[-1] ** -0.5,
+                chunk_bounds=chunk_bounds(cu_seqlens, chunk_index))

@@ -107,7 +107,7 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seq
     if norm_in_kernel:
         rstds = {name: r.view(num_tokens, num_qk_heads) for name, r in (("q_rstd", q_rstd), ("k_rstd", k_rstd))}
     dq_head, dk_head, dv, dg, dbeta = chunk_gradients(q_flat, k_flat, v_flat, gamma, beta_flat, inverse, states,
-                                                      state_grads, do_flat, scale, cu_seqlens, chunk_index, **rstds)
+                                                      state_grads, do_flat, scale, plan.chunk_bounds, **rstds)
 
     dq, dk = (sum_over_groups(grad, num_qk_heads, q.dtype) for grad in (dq_head, dk_head))
     if q_rstd is not None and not norm_in_kernel:

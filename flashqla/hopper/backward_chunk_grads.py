@@ -101,16 +101,18 @@ def chunk_grads_program(l2norm_backward: bool = False):
     column_partials, sum_partials = tile_sum_macros(_THREADS // _C)
 
     @T.macro
-    def l2norm_backward_rows(grad, normalised_s, rstd, start, qk_head, products, row_dots):
+    def l2norm_backward_rows(grad, normalised_s, rstd, start, qk_head, products, row_dots, row_rstd):
         """grad (C x K, float32, the gradient of the normalised rows in normalised_s) becomes the
         gradient of the rows before the norm: r (grad - y (y . grad)) with y the normalised row.
-        products (C x K) and row_dots (C) are scratch fragments."""
+        products (C x K), row_dots and row_rstd (C) are scratch fragments; r is read first, so that
+        its load flies during the row sums."""
+        for t in T.Parallel(_C):
+            row_rstd[t] = rstd[T.min(start + t, num_tokens - 1), qk_head]
         for t, d in T.Parallel(_C, K):
             products[t, d] = grad[t, d] * T.cast(normalised_s[t, d], f32)
         T.reduce_sum(products, row_dots, dim=1, clear=True)
         for t, d in T.Parallel(_C, K):
-            grad[t, d] = rstd[T.min(start + t, num_tokens - 1), qk_head] * (
-                grad[t, d] - T.cast(normalised_s[t, d], f32) * row_dots[t])
+            grad[t, d] = row_rstd[t] * (grad[t, d] - T.cast(normalised_s[t, d], f32) * row_dots[t])
 
     @T.macro
     def walk_tasks(q, k, v, gamma, beta, inverse, chunk_states, chunk_state_grads, do, chunk_bounds, dq_head,
@@ -177,6 +179,7 @@ def chunk_grads_program(l2norm_backward: bool = False):
             ck = T.alloc_fragment((_C, K), f32)
             row_v = T.alloc_fragment((_C,), f32)  # row sums of C x BV fragments
             row_d = T.alloc_fragment((_C,), f32)  # row sums of C x K fragments (ck: their scratch)
+            row_r = T.alloc_fragment((_C,), f32)  # the L2 norm's r of the rows (l2norm_backward_rows)
             gamma_next = T.alloc_var(f32)  # this thread's gamma / beta entry of the next task
             beta_next = T.alloc_var(f32)
             dg_sum = T.alloc_var(f32)  # this thread's row of dg
@@ -385,7 +388,7 @@ def chunk_grads_program(l2norm_backward: bool = False):
                 T.wait_wgmma(2)
                 T.warpgroup_fence_operand(dq, num_regs=_WIDE)
                 if q_rstd is not None:
-                    l2norm_backward_rows(dq, q_s, q_rstd, start, head // group, ck, row_d)
+                    l2norm_backward_rows(dq, q_s, q_rstd, start, head // group, ck, row_d, row_r)
                 for t, d in T.Parallel(_C, K):
                     if t < length:
                         dq_head[start + t, head, d] = T.cast(dq[t, d], op)
@@ -422,7 +425,7 @@ def chunk_grads_program(l2norm_backward: bool = False):
                 T.wait_wgmma(0)
                 T.warpgroup_fence_operand(dk, num_regs=_WIDE)
                 if k_rstd is not None:
-                    l2norm_backward_rows(dk, k_s, k_rstd, start, head // group, ck, row_d)
+                    l2norm_backward_rows(dk, k_s, k_rstd, start, head // group, ck, row_d, row_r)
 
                 # q, k, A~ and dO are read for the last time above: load the next task's group A.
                 T.sync_threads()
@@ -521,23 +524,14 @@ def compile_chunk_grads(l2norm_backward: bool = False):
     return compile_for_hopper(chunk_grads_program(l2norm_backward), fast_math=True)
 
 
-def chunk_bounds(cu_seqlens: torch.Tensor, chunk_index: torch.Tensor) -> torch.Tensor:
-    """int32 [num_chunks, 2]: (first token, number of tokens) of every chunk, so that the kernel
-    finds a task's rows with one load instead of two dependent ones."""
-    sequence = chunk_index[:, 0].long()
-    start = cu_seqlens[sequence] + chunk_index[:, 1] * _C
-    length = torch.clamp(cu_seqlens[sequence + 1] - start, max=_C)
-    return torch.stack([start, length], dim=1).to(torch.int32).contiguous()
-
-
-def chunk_gradients(q, k, v, gamma, beta, inverse, chunk_states, chunk_state_grads, do, scale, cu_seqlens,
-                       chunk_index, num_workers: int | None = None, q_rstd=None, k_rstd=None):
+def chunk_gradients(q, k, v, gamma, beta, inverse, chunk_states, chunk_state_grads, do, scale, chunk_bounds,
+                    num_workers: int | None = None, q_rstd=None, k_rstd=None):
     """Run the kernel on flattened inputs; returns (dq, dk per value head, dv, dg, dbeta).
 
     q, k: [T, Hqk, 128] bf16; v, do: [T, Hv, 128] bf16; gamma (chunk-local cumsum), beta: [T, Hv] fp32;
     inverse: [T, Hv, 64] bf16; chunk_states (entering each chunk), chunk_state_grads (leaving it):
-    [num_chunks, Hv, 128, 128] bf16 in chunk_index order; cu_seqlens: int32 [N + 1];
-    chunk_index: int32 [num_chunks, 2] (sequence, chunk within it); num_workers (CTAs) defaults to
+    [num_chunks, Hv, 128, 128] bf16 in chunk order; chunk_bounds: int32 [num_chunks, 2], every chunk's
+    (first token, number of tokens) (chunk_plan.chunk_bounds, ForwardPlan.chunk_bounds); num_workers (CTAs) defaults to
     the SM count. q_rstd, k_rstd (float32 [T, Hqk], both or neither): q, k are L2-normalised
     (flashqla/hopper/l2norm.py) with these r, and dq, dk come back as the gradients of the
     unnormalised inputs (`chunk_grads_program(l2norm_backward=True)`).
@@ -552,13 +546,12 @@ def chunk_gradients(q, k, v, gamma, beta, inverse, chunk_states, chunk_state_gra
     dv = torch.empty(num_tokens, num_v_heads, head_dim, **bf16)
     dg = torch.empty(num_tokens, num_v_heads, **f32)
     dbeta = torch.empty(num_tokens, num_v_heads, **f32)
-    num_chunks = chunk_index.shape[0]
+    num_chunks = chunk_bounds.shape[0]
     if num_chunks > 0:
         if num_workers is None:
             num_workers = device_sm_count(q.device)
         num_workers = max(1, min(num_workers, num_chunks * num_v_heads))
-        bounds = chunk_bounds(cu_seqlens, chunk_index)
-        args = (q, k, v, gamma, beta, inverse, chunk_states, chunk_state_grads, do, bounds, dq_head, dk_head, dv, dg,
+        args = (q, k, v, gamma, beta, inverse, chunk_states, chunk_state_grads, do, chunk_bounds, dq_head, dk_head, dv, dg,
                 dbeta, float(scale), num_workers)
         if q_rstd is None:
             compile_chunk_grads()(*args)

@@ -46,6 +46,15 @@ def chunk_indices(cu_seqlens: torch.Tensor, chunk_size: int = CHUNK_SIZE) -> tor
     return torch.stack([sequence, within], dim=1).to(torch.int32).contiguous()
 
 
+def chunk_bounds(cu_seqlens: torch.Tensor, chunk_index: torch.Tensor, chunk_size: int = CHUNK_SIZE) -> torch.Tensor:
+    """int32 [num_chunks, 2]: (first token, number of tokens) of every chunk of chunk_index, so that a
+    kernel finds a chunk's rows with one load instead of two dependent ones."""
+    sequence = chunk_index[:, 0].long()
+    start = cu_seqlens[sequence] + chunk_index[:, 1] * chunk_size
+    length = torch.clamp(cu_seqlens[sequence + 1] - start, max=chunk_size)
+    return torch.stack([start, length], dim=1).to(torch.int32).contiguous()
+
+
 def value_block_size(num_sequences: int, num_heads: int, value_dim: int = HEAD_DIM,
                      sm_count: int = DEFAULT_SM_COUNT, max_block: int = HEAD_DIM) -> int:
     """Width of the V slice one CTA owns: split V when (sequences x heads) cannot fill the SMs."""
@@ -148,6 +157,7 @@ class ForwardPlan:
     Cached plans are shared between calls: nothing may write into these tensors."""
 
     chunk_index: torch.Tensor      # int32 [num_chunks, 2]: (sequence, chunk within it)
+    chunk_bounds: torch.Tensor     # int32 [num_chunks, 2]: (first token, number of tokens), see chunk_bounds
     chunk_offsets: torch.Tensor    # int32 [N + 1]: first global chunk of each sequence
     pieces: torch.Tensor           # int32 [P, 4]: see plan_pieces
     value_block: int               # V columns per CTA
@@ -201,13 +211,16 @@ def build_forward_plan(bounds: list[int], device: torch.device, num_heads: int, 
     pieces = np.asarray(rows, dtype=np.int64).reshape(-1, 4)
     max_walk_back = int(((pieces[:, 1] - bounds[pieces[:, 0]]) // chunk_size).max()) if len(rows) else 0
 
-    packed = np.concatenate([np.stack([sequence, within], 1).reshape(-1), offsets, pieces.reshape(-1)])
+    index = np.stack([sequence, within], 1)
+    bounds_of_chunks = chunk_bounds(torch.from_numpy(bounds), torch.from_numpy(index), chunk_size).numpy()
+    packed = np.concatenate([index.reshape(-1), bounds_of_chunks.reshape(-1), offsets, pieces.reshape(-1)])
     packed = torch.from_numpy(packed.astype(np.int32)).to(device)
     n_index, n_offsets = 2 * len(sequence), len(offsets)
     return ForwardPlan(
         chunk_index=packed[:n_index].view(-1, 2),
-        chunk_offsets=packed[n_index:n_index + n_offsets],
-        pieces=packed[n_index + n_offsets:].view(-1, 4),
+        chunk_bounds=packed[n_index:2 * n_index].view(-1, 2),
+        chunk_offsets=packed[2 * n_index:2 * n_index + n_offsets],
+        pieces=packed[2 * n_index + n_offsets:].view(-1, 4),
         value_block=value_block,
         max_walk_back=max_walk_back,
     )

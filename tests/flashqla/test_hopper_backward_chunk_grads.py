@@ -29,13 +29,15 @@ requires_hopper = pytest.mark.skipif(not on_hopper, reason="needs an SM90 (Hoppe
 
 
 def test_chunk_bounds_of_ragged_batch():
-    from flashqla.hopper.backward_chunk_grads import chunk_bounds
-    from flashqla.hopper.chunk_plan import chunk_indices
+    from flashqla.hopper.chunk_plan import build_forward_plan, chunk_bounds, chunk_indices
 
     cu_seqlens = torch.tensor([0, 100, 100, 164, 165], dtype=torch.int32)  # 100, 0, 64, 1 tokens
     bounds = chunk_bounds(cu_seqlens, chunk_indices(cu_seqlens))
     assert bounds.dtype == torch.int32
     assert bounds.tolist() == [[0, 64], [64, 36], [100, 64], [164, 1]]
+    plan = build_forward_plan(cu_seqlens.tolist(), torch.device("cpu"), num_heads=4)
+    assert plan.chunk_bounds.dtype == torch.int32 and torch.equal(plan.chunk_bounds, bounds)
+    assert plan.chunk_index.tolist() == chunk_indices(cu_seqlens).tolist()
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["kernel", "l2norm_backward"])
