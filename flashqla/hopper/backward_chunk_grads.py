@@ -8,13 +8,13 @@ over each head group in backward.py). What keeps the SM busy:
 
 - one persistent CTA per SM walks the tasks worker, worker + W, worker + 2W, ... (W = number of
   CTAs), so an SM never waits for a new CTA to start and load from scratch;
-- every tile arrives by TMA (no per-thread synchronous copies), in two groups with their own
-  mbarrier: group A (q, k, A~, dO) and group B (v, S0, dS1);
+- every tile arrives by TMA (no per-thread synchronous copies), in group B (v, S0, dS1, dO) and
+  group A (q, k, A~), each on its own mbarriers;
 - the products that read S0 and dS1 come first (U, W, Delta, dDelta, dv, dq's S0 term, dk's
   S0/dS1 terms, sum(S0 . dS1)); v lands in W's buffer and becomes W in place. Right after
-  dAb = dDelta W^T (W's last read) group B of the next task is issued into the same buffers, so
-  the largest loads (64 KB of states) fly during the second half of the task. Group A is issued
-  after the task's last read of q, k, A~, dO.
+  dP = dO Delta^T (dO's last read) group B of the next task is issued into the same buffers, so
+  the largest loads (64 KB of states, and dO) fly during the second half of the task. Group A is
+  issued after the task's last read of q, k, A~.
 - gamma and beta of the next task are read into registers when group B is issued and written to
   shared at the start of the next task (plain loads: TMA cannot fetch a 4-byte column);
 - the column sums and the 64 x 64 row sums (dbeta, dgamma) go through a float32 shared tile with
@@ -157,8 +157,13 @@ def chunk_grads_program(l2norm_backward: bool = False):
             # per warp of the first two: sum of its rows' dgamma (masked) and of their te
             dgam_part_s = T.alloc_shared((2,), f32)
             te_part_s = T.alloc_shared((2,), f32)
-            loads_a = T.alloc_barrier([1])  # q, k, A~, dO
-            loads_b = T.alloc_barrier([1])  # v, S0, dS1
+            loads_b = T.alloc_barrier([1])  # v, S0, dS1, dO
+            # q, k and A~ are loaded together at the end of a task; A~ has a barrier of its own so that Q K^T
+            # need not wait for it. (Refilling q and A~ right after their last reads, earlier in the task,
+            # was 0.93-0.97x this: docs/kernel-notes.md, twenty-fifth session.)
+            loads_q = T.alloc_barrier([1])
+            loads_inv = T.alloc_barrier([1])  # A~
+            loads_k = T.alloc_barrier([1])
 
             qk = T.alloc_fragment((_C, _C), f32)
             gm = T.alloc_fragment((_C, _C), f32)
@@ -194,20 +199,24 @@ def chunk_grads_program(l2norm_backward: bool = False):
             next_chunk, next_head, next_start, next_length = (T.alloc_var("int32") for _ in range(4))
             first_chunk, first_head, first_start, first_length = (T.alloc_var("int32") for _ in range(4))
 
-            # Task 0 of this worker: issue both load groups and read its gamma / beta.
+            # Task 0 of this worker: issue every load group and read its gamma / beta.
             first_chunk = worker // num_v_heads
             first_head = worker % num_v_heads
             first_start = chunk_bounds[first_chunk, 0]
             first_length = chunk_bounds[first_chunk, 1]
-            T.tma_copy(q[first_start:first_start + _C, first_head // group, 0:K], q_s, barrier=loads_a[0])
-            T.tma_copy(k[first_start:first_start + _C, first_head // group, 0:K], k_s, barrier=loads_a[0])
-            T.tma_copy(inverse[first_start:first_start + _C, first_head, 0:_C], inv_s, barrier=loads_a[0])
-            T.tma_copy(do[first_start:first_start + _C, first_head, 0:V], do_s, barrier=loads_a[0])
+            next_start = first_start
+            next_length = first_length
+            T.tma_copy(q[first_start:first_start + _C, first_head // group, 0:K], q_s, barrier=loads_q[0])
+            T.tma_copy(k[first_start:first_start + _C, first_head // group, 0:K], k_s, barrier=loads_k[0])
+            T.tma_copy(inverse[first_start:first_start + _C, first_head, 0:_C], inv_s, barrier=loads_inv[0])
             if T.shuffle_elect(_THREADS):
-                T.barrier_arrive(loads_a[0])
+                T.barrier_arrive(loads_q[0])
+                T.barrier_arrive(loads_k[0])
+                T.barrier_arrive(loads_inv[0])
             T.tma_copy(v[first_start:first_start + _C, first_head, 0:V], w_s, barrier=loads_b[0])
             T.tma_copy(chunk_states[first_chunk, first_head, 0:K, 0:V], s0_s, barrier=loads_b[0])
             T.tma_copy(chunk_state_grads[first_chunk, first_head, 0:K, 0:V], ds_s, barrier=loads_b[0])
+            T.tma_copy(do[first_start:first_start + _C, first_head, 0:V], do_s, barrier=loads_b[0])
             if T.shuffle_elect(_THREADS):
                 T.barrier_arrive(loads_b[0])
             if tx < _C:
@@ -219,8 +228,10 @@ def chunk_grads_program(l2norm_backward: bool = False):
                 task = worker + i * num_workers
                 chunk_id = task // num_v_heads
                 head = task % num_v_heads
-                start = chunk_bounds[chunk_id, 0]
-                length = chunk_bounds[chunk_id, 1]
+                # read a task ahead (first_*, then next_* below, for the loads): a load here would stall the
+                # task's first mask
+                start = next_start
+                length = next_length
                 has_next = i + 1 < my_tasks
                 # Clamped so that the last task's look-ahead reads stay inside chunk_bounds.
                 next_chunk = T.min((task + num_workers) // num_v_heads, num_chunks - 1)
@@ -240,10 +251,12 @@ def chunk_grads_program(l2norm_backward: bool = False):
 
                 # Whole tiles: rows past the sequence end hold the next sequence's data (or TMA's
                 # zeros past the tensor); masked rows of Gm and beta and of dgamma keep them out.
-                T.mbarrier_wait_parity(loads_a[0], i % 2)
+                T.mbarrier_wait_parity(loads_q[0], i % 2)
+                T.mbarrier_wait_parity(loads_k[0], i % 2)
                 T.gemm(q_s, k_s, qk, transpose_B=True, clear_accum=True)
                 for t, s in T.Parallel(_C, _C):
                     pm_s[t, s] = T.cast(scale * qk[t, s] * gm[t, s], op)
+                T.mbarrier_wait_parity(loads_inv[0], i % 2)
                 for t, s in T.Parallel(_C, _C):
                     ag[t, s] = T.cast(inv_s[t, s], f32) * gm[t, s]
                 for t, s in T.Parallel(_C, _C):
@@ -348,13 +361,14 @@ def chunk_grads_program(l2norm_backward: bool = False):
                 T.warpgroup_fence_operand(dk, num_regs=_WIDE)
                 T.warpgroup_fence_operand(dpr, num_regs=_SQUARE)
 
-                # W (v's buffer), S0 and dS1 are read for the last time above: load the next task's
+                # W (v's buffer), S0, dS1 and dO are read for the last time above: load the next task's
                 # group B (and its gamma / beta) while the rest of this task runs.
                 T.sync_threads()
                 if has_next:
                     T.tma_copy(v[next_start:next_start + _C, next_head, 0:V], w_s, barrier=loads_b[0])
                     T.tma_copy(chunk_states[next_chunk, next_head, 0:K, 0:V], s0_s, barrier=loads_b[0])
                     T.tma_copy(chunk_state_grads[next_chunk, next_head, 0:K, 0:V], ds_s, barrier=loads_b[0])
+                    T.tma_copy(do[next_start:next_start + _C, next_head, 0:V], do_s, barrier=loads_b[0])
                     if T.shuffle_elect(_THREADS):
                         T.barrier_arrive(loads_b[0])
                     if tx < _C:
@@ -427,15 +441,16 @@ def chunk_grads_program(l2norm_backward: bool = False):
                 if k_rstd is not None:
                     l2norm_backward_rows(dk, k_s, k_rstd, start, head // group, ck, row_d, row_r)
 
-                # q, k, A~ and dO are read for the last time above: load the next task's group A.
+                # q, k and A~ are read for the last time above: load the next task's.
                 T.sync_threads()
                 if has_next:
-                    T.tma_copy(q[next_start:next_start + _C, next_head // group, 0:K], q_s, barrier=loads_a[0])
-                    T.tma_copy(k[next_start:next_start + _C, next_head // group, 0:K], k_s, barrier=loads_a[0])
-                    T.tma_copy(inverse[next_start:next_start + _C, next_head, 0:_C], inv_s, barrier=loads_a[0])
-                    T.tma_copy(do[next_start:next_start + _C, next_head, 0:V], do_s, barrier=loads_a[0])
+                    T.tma_copy(k[next_start:next_start + _C, next_head // group, 0:K], k_s, barrier=loads_k[0])
+                    T.tma_copy(q[next_start:next_start + _C, next_head // group, 0:K], q_s, barrier=loads_q[0])
+                    T.tma_copy(inverse[next_start:next_start + _C, next_head, 0:_C], inv_s, barrier=loads_inv[0])
                     if T.shuffle_elect(_THREADS):
-                        T.barrier_arrive(loads_a[0])
+                        T.barrier_arrive(loads_k[0])
+                        T.barrier_arrive(loads_q[0])
+                        T.barrier_arrive(loads_inv[0])
 
                 for t, d in T.Parallel(_C, K):
                     if t < length:

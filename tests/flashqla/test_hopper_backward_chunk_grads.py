@@ -19,7 +19,8 @@ import torch
 
 from hopper_grid import RAGGED, make_backward_inputs, on_hopper, poison_allocator, sequence_head_errors
 
-TMA_GROUPS = {"loads_a": ("q_s", "k_s", "inv_s", "do_s"), "loads_b": ("w_s", "s0_s", "ds_s")}
+TMA_GROUPS = {"loads_b": ("w_s", "s0_s", "ds_s", "do_s"), "loads_q": ("q_s",), "loads_inv": ("inv_s",),
+              "loads_k": ("k_s",)}
 # Largest dynamic shared memory one H100/H200 CTA may use (227 KB), less 1 KB of static barriers.
 SHARED_LIMIT_BYTES = 227 * 1024 - 1024
 OUTPUT_NAMES = ("dq_head", "dk_head", "dv", "dg", "dbeta")
