@@ -546,8 +546,8 @@ def chunk_gradients(q, k, v, gamma, beta, inverse, chunk_states, chunk_state_gra
     q, k: [T, Hqk, 128] bf16; v, do: [T, Hv, 128] bf16; gamma (chunk-local cumsum), beta: [T, Hv] fp32;
     inverse: [T, Hv, 64] bf16; chunk_states (entering each chunk), chunk_state_grads (leaving it):
     [num_chunks, Hv, 128, 128] bf16 in chunk order; chunk_bounds: int32 [num_chunks, 2], every chunk's
-    (first token, number of tokens) (chunk_plan.chunk_bounds, ForwardPlan.chunk_bounds); num_workers (CTAs) defaults to
-    the SM count. q_rstd, k_rstd (float32 [T, Hqk], both or neither): q, k are L2-normalised
+    (first token, number of tokens) (chunk_plan.chunk_bounds, ForwardPlan.chunk_bounds); num_workers
+    (CTAs) defaults to the SM count. q_rstd, k_rstd (float32 [T, Hqk], both or neither): q, k are L2-normalised
     (flashqla/hopper/l2norm.py) with these r, and dq, dk come back as the gradients of the
     unnormalised inputs (`chunk_grads_program(l2norm_backward=True)`).
     dq, dk, dv: bf16 [T, Hv, 128]; dg, dbeta: float32 [T, Hv].
@@ -566,8 +566,8 @@ def chunk_gradients(q, k, v, gamma, beta, inverse, chunk_states, chunk_state_gra
         if num_workers is None:
             num_workers = device_sm_count(q.device)
         num_workers = max(1, min(num_workers, num_chunks * num_v_heads))
-        args = (q, k, v, gamma, beta, inverse, chunk_states, chunk_state_grads, do, chunk_bounds, dq_head, dk_head, dv, dg,
-                dbeta, float(scale), num_workers)
+        args = (q, k, v, gamma, beta, inverse, chunk_states, chunk_state_grads, do, chunk_bounds, dq_head, dk_head, dv,
+                dg, dbeta, float(scale), num_workers)
         if q_rstd is None:
             compile_chunk_grads()(*args)
         else:
