@@ -113,8 +113,8 @@ def inverse_program(head_dim: int = HEAD_DIM, dtype: str = "bfloat16", beta_dtyp
                 cross_lower[i, j] = -lower[_HALF + i, j]
 
             # gamma: a scan by warp 2 (idle during the solves), two tokens a lane: the pair's sum, an inclusive
-            # scan of the pairs by shuffles, the previous lane's total below the pair. One thread's running sum
-            # instead serialised 64 shared-memory round trips (docs/kernel-notes.md, twenty-fifth session).
+            # scan of the pairs by shuffles, the previous lane's total below the pair. A chain of 6 shuffles where
+            # one thread's running sum was 64 additions (0.4-0.9 % of the kernel: docs/kernel-notes.md).
             if thread // 32 == 2:
                 lane = thread % 32
                 first = g_shared[2 * lane]
