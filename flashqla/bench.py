@@ -190,8 +190,7 @@ def forward_breakdown(inputs: dict, rep_ms: int, like_the_model: bool = False) -
     num_v_heads = g.shape[1]
     sm_count = torch.cuda.get_device_properties().multi_processor_count
     plan = plan_forward(cu, num_v_heads, 128, sm_count, MAX_VALUE_BLOCK)
-    index = plan.chunk_index
-    gamma, inverse = gamma_and_inverse(k, g, beta, cu, index)
+    gamma, inverse = gamma_and_inverse(k, g, beta, plan.chunk_bounds)
 
     def walk(**stores):
         return walk_chunks(q, k, v, gamma, beta, inverse, 128 ** -0.5, h0, cu, plan, **stores)
@@ -202,7 +201,7 @@ def forward_breakdown(inputs: dict, rep_ms: int, like_the_model: bool = False) -
         # cached, with the host bounds the public op already holds (no sync): every later layer
         "plan_cached": lambda: plan_forward(cu, num_v_heads, 128, sm_count, MAX_VALUE_BLOCK,
                                             host_bounds=bounds),
-        "gamma_inverse": lambda: gamma_and_inverse(k, g, beta, cu, index),
+        "gamma_inverse": lambda: gamma_and_inverse(k, g, beta, plan.chunk_bounds),
         "walk_starts": lambda: walk_bounds(gamma, plan.pieces, cu, ahead=False),
         "walk": walk,  # walk starts included
     }
@@ -456,7 +455,7 @@ def compare_inverse(rep_ms: int):
     """A~ of every chunk (flashqla/hopper/inverse.py, which makes gamma beside it) against FlashQLA's kkt_solve,
     which makes the same [T, Hv, 64] A~, on the bench inputs (normalised k, fp32 beta); FlashQLA's only where it
     is installed."""
-    from flashqla.hopper.chunk_plan import chunk_indices
+    from flashqla.hopper.chunk_plan import chunk_bounds, chunk_indices
     from flashqla.hopper.inverse import gamma_and_inverse
 
     try:
@@ -466,8 +465,8 @@ def compare_inverse(rep_ms: int):
     for name, heads, seq_lens in INVERSE_SHAPES:
         x = make_inputs(heads, seq_lens)
         k, g, beta, cu = x["k"][0], x["g"][0], x["beta"][0], x["cu_seqlens"]
-        index = chunk_indices(cu)
-        times = {"ours": _median_ms(lambda: gamma_and_inverse(k, g, beta, cu, index), rep_ms)}
+        bounds = chunk_bounds(cu, chunk_indices(cu))
+        times = {"ours": _median_ms(lambda: gamma_and_inverse(k, g, beta, bounds), rep_ms)}
         if kkt_solve is not None:
             times["flashqla kkt_solve"] = _median_ms(lambda: kkt_solve(x["k"], x["beta"], cu_seqlens=x["cu_seqlens_long"]),
                                                      rep_ms)
@@ -486,7 +485,7 @@ def forward_walk_on(heads: tuple[int, int], seq_lens: list[int]):
     q, k, v, g, beta, cu = x["q"][0], x["k"][0], x["v"][0], x["g"][0], x["beta"][0], x["cu_seqlens"]
     plan = plan_forward(cu, heads[1], 128, device_sm_count(q.device), MAX_VALUE_BLOCK,
                         host_bounds=x["cu_seqlens_cpu"].tolist())
-    gamma, inverse = gamma_and_inverse(k, g, beta, cu, plan.chunk_index)
+    gamma, inverse = gamma_and_inverse(k, g, beta, plan.chunk_bounds)
     walk = walk_bounds(gamma, plan.pieces, cu, ahead=False)
 
     def run(store_chunk_states: bool, store_products: bool, **keywords):

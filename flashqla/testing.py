@@ -67,11 +67,12 @@ def chunk_gradient_arguments(q, k, v, g, beta, do, cu_seqlens, seed: int = 0) ->
 
     num_v_heads = g.shape[1]
     chunk_index = chunk_indices(cu_seqlens)
+    bounds = chunk_bounds(cu_seqlens, chunk_index)
     beta = beta.float().contiguous()
-    gamma, inverse = gamma_and_inverse(k, g.contiguous(), beta, cu_seqlens, chunk_index)
+    gamma, inverse = gamma_and_inverse(k, g.contiguous(), beta, bounds)
     gen = torch.Generator(device=q.device).manual_seed(seed)
     states, state_grads = (torch.randn(chunk_index.shape[0], num_v_heads, 128, 128, generator=gen, device=q.device)
                            .to(torch.bfloat16) for _ in range(2))
     return dict(q=q, k=k, v=v, gamma=gamma, beta=beta, inverse=inverse, chunk_states=states,
                 chunk_state_grads=state_grads, do=do, scale=q.shape[-1] ** -0.5,
-                chunk_bounds=chunk_bounds(cu_seqlens, chunk_index))
+                chunk_bounds=bounds)

@@ -70,7 +70,7 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
     plan = plan_forward(cu_seqlens, num_v_heads, head_dim, device_sm_count(q.device), MAX_VALUE_BLOCK,
                         host_bounds=cu_seqlens_host)
     gamma, inverse = gamma_and_inverse(k_flat, g.reshape(num_tokens, num_v_heads).contiguous(), beta_flat,
-                                       cu_seqlens, plan.chunk_index)
+                                       plan.chunk_bounds)
     h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
     o, final_state, chunk_states, gated_inverse, scores = walk_chunks(
         q_flat, k_flat, v_flat, gamma, beta_flat, inverse, scale, h0, cu_seqlens, plan, log_decay_threshold,

@@ -17,9 +17,11 @@ kernel of its own (docs/kernel-notes.md, twenty-fourth and twenty-fifth sessions
 
 About 80k multiply-adds a chunk besides K K^T, where iterating Y <- D - N Y on whole 64x64 blocks
 takes 1M; small shared memory, so that MIN_BLOCKS_PER_SM CTAs share an SM and hide each other's
-loads. k arrives by one TMA load, waited for before its first read; no T.Pipelined loop, so there is no
-producer to race with. Per-thread work is kept to few instructions (8 CTAs of 4 warps an SM issue on about
-half the cycles): k's tile by TMA, four sums a thread in step 3 (docs/kernel-notes.md, twenty-fifth session).
+loads. Each CTA reads its chunk's (first token, length) from the plan's chunk bounds: two independent loads,
+not a chunk index -> cu_seqlens chain. k arrives by one TMA load, waited for before its first read; no
+T.Pipelined loop, so there is no producer to race with. Per-thread work is kept to few instructions (8 CTAs
+of 4 warps an SM issue on about half the cycles): k's tile by TMA, four sums a thread in step 3
+(docs/kernel-notes.md, twenty-fifth session).
 """
 
 import functools
@@ -40,7 +42,6 @@ MIN_BLOCKS_PER_SM = 8
 def inverse_program(head_dim: int = HEAD_DIM, dtype: str = "bfloat16", beta_dtype: str = "float32",
                     g_dtype: str = "float32", min_blocks_per_sm: int = MIN_BLOCKS_PER_SM):
     num_tokens = T.dynamic("num_tokens")
-    num_sequences = T.dynamic("num_sequences")
     num_chunks = T.dynamic("num_chunks")
     num_v_heads = T.dynamic("num_v_heads")
     num_qk_heads = T.dynamic("num_qk_heads")
@@ -50,8 +51,7 @@ def inverse_program(head_dim: int = HEAD_DIM, dtype: str = "bfloat16", beta_dtyp
         k: T.Tensor((num_tokens, num_qk_heads, head_dim), dtype),
         g: T.Tensor((num_tokens, num_v_heads), g_dtype),
         beta: T.Tensor((num_tokens, num_v_heads), beta_dtype),
-        cu_seqlens: T.Tensor((num_sequences + 1,), "int32"),
-        chunk_index: T.Tensor((num_chunks, 2), "int32"),
+        chunk_bounds: T.Tensor((num_chunks, 2), "int32"),
         gamma: T.Tensor((num_tokens, num_v_heads), "float32"),
         inverse: T.Tensor((num_tokens, num_v_heads, _C), dtype),
     ):
@@ -64,8 +64,8 @@ def inverse_program(head_dim: int = HEAD_DIM, dtype: str = "bfloat16", beta_dtyp
             start = T.alloc_var("int32")
             length = T.alloc_var("int32")
             head = qk_head * group + member
-            start = cu_seqlens[chunk_index[chunk, 0]] + chunk_index[chunk, 1] * _C
-            length = T.min(cu_seqlens[chunk_index[chunk, 0] + 1] - start, _C)
+            start = chunk_bounds[chunk, 0]
+            length = chunk_bounds[chunk, 1]
             thread = T.get_thread_binding()
 
             T.annotate_min_blocks_per_sm(min_blocks_per_sm)
@@ -191,16 +191,16 @@ def compile_inverse(head_dim: int = HEAD_DIM, dtype: str = "bfloat16", beta_dtyp
     return compile_for_hopper(program, fast_math=True)
 
 
-def gamma_and_inverse(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor,
-                      chunk_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def gamma_and_inverse(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                      chunk_bounds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(gamma, A~) of every chunk and value head: gamma float32 [T, Hv], A~ [T, Hv, 64] in k's dtype,
-    for k [T, Hqk, K], g and beta [T, Hv] (float32, bf16 or fp16), cu_seqlens int32 [N + 1] and
-    chunk_index from chunk_plan.chunk_indices."""
+    for k [T, Hqk, K], g and beta [T, Hv] (float32, bf16 or fp16) and chunk_bounds, int32 [num_chunks, 2]
+    (chunk_plan.chunk_bounds, ForwardPlan.chunk_bounds)."""
     num_tokens, _, head_dim = k.shape
     num_v_heads = beta.shape[1]
     gamma = torch.empty(num_tokens, num_v_heads, dtype=torch.float32, device=k.device)
     inverse = torch.empty(num_tokens, num_v_heads, _C, dtype=k.dtype, device=k.device)
-    if chunk_index.shape[0] > 0:
+    if chunk_bounds.shape[0] > 0:
         kernel = compile_inverse(head_dim, dtype_name(k), dtype_name(beta), dtype_name(g))
-        kernel(k, g, beta, cu_seqlens, chunk_index, gamma, inverse)
+        kernel(k, g, beta, chunk_bounds, gamma, inverse)
     return gamma, inverse
