@@ -24,9 +24,9 @@ Per shape it also records each library's first call (compile included: FlashQLA 
 dozen TileLang kernels per head layout, minutes without a carried TileLang cache) and the relative
 L2 distance of o and the final state from FLA's.
 --breakdown adds our per-stage times (planning uncached and cached, gamma with the inverse, walk
-starts, the fused walk; with --model also the L2 norm and the walk storing what the backward
-reads), and with --bwd the backward's (state-gradient walk, its warm-up ends, chunk gradients, the
-group sums, and the walk that keep_for_backward="products" adds). --time-budget starts no shape that would likely end past the budget; the
+starts, the fused walk; with --model also the inverse with the L2 norm in its kernel, the norm alone,
+and the walk storing what the backward reads), and with --bwd the backward's (state-gradient walk, its
+warm-up ends, chunk gradients, the group sums, and the walk that keep_for_backward="products" adds). --time-budget starts no shape that would likely end past the budget; the
 JSON is rewritten after every shape, so a killed run keeps what it measured. --warm-only makes only
 the first calls: FLA's compile and autotuning take about two minutes per head layout, so
 tools/device_session.sh runs one such process per layout in parallel (autotune results not kept,
@@ -160,7 +160,7 @@ def _breakdown_operands(inputs: dict, like_the_model: bool):
     """The kernels' flattened operands for the stage timings: q, k normalised here when the op would
     normalise them in the kernel (like_the_model), beta as given; and the norm's r of q and k
     ([T, Hqk] each, or None)."""
-    from flashqla.hopper.autograd import l2_normalized
+    from flashqla.hopper.l2norm import l2_normalized
 
     q, k, v, g, beta = (inputs[n][0] for n in ("q", "k", "v", "g", "beta"))
     rstds = (None, None)
@@ -172,11 +172,12 @@ def _breakdown_operands(inputs: dict, like_the_model: bool):
 
 def forward_breakdown(inputs: dict, rep_ms: int, like_the_model: bool = False) -> dict:
     """Median ms of each stage of our forward (planning, gamma with the inverse, walk starts, the fused
-    walk). like_the_model adds the in-kernel L2 norm and the walk a differentiated forward runs: the
-    one that also stores Ab and P ("products") and the chunk states ("all")."""
+    walk). like_the_model adds the inverse with the L2 norm in its kernel (the op's), the norm alone, and
+    the walk a differentiated forward runs: the one that also stores Ab and P ("products") and the chunk
+    states ("all")."""
     from triton.testing import do_bench
 
-    from flashqla.hopper.autograd import l2_normalized
+    from flashqla.hopper.l2norm import l2_normalized
     from flashqla.hopper.chunk_plan import build_forward_plan, plan_forward
     from flashqla.hopper.forward import walk_chunks
     from flashqla.hopper.fused_forward import MAX_VALUE_BLOCK
@@ -206,6 +207,9 @@ def forward_breakdown(inputs: dict, rep_ms: int, like_the_model: bool = False) -
         "walk": walk,  # walk starts included
     }
     if like_the_model:
+        # the op's: gamma and the inverse with q, k's norm in the same kernel; "l2norm" the norm unfused
+        stages["gamma_inverse_norm"] = lambda: gamma_and_inverse(inputs["k"][0], g, beta, plan.chunk_bounds,
+                                                                 normalize_q=inputs["q"][0])
         stages["l2norm"] = lambda: (l2_normalized(inputs["q"]), l2_normalized(inputs["k"]))
         stages["walk_keeping_products"] = lambda: walk(store_products=True)
         stages["walk_keeping_all"] = lambda: walk(store_products=True, store_chunk_states=True)
@@ -394,7 +398,7 @@ def compare_conv(rep_ms: int):
 def _normalised_chunk_gradient_arguments(heads, seq_lens):
     """chunk_gradients' arguments for the model's unnormalised q, k after the L2 norm's kernel, and
     the norm's r of q and k ([T, Hqk])."""
-    from flashqla.hopper.autograd import l2_normalized
+    from flashqla.hopper.l2norm import l2_normalized
     from flashqla.testing import chunk_gradient_arguments
 
     x = make_inputs(heads, seq_lens, like_the_model=True)

@@ -150,11 +150,13 @@ def compile_ours(shapes, like_the_model: bool = False, with_initial_state: bool 
             beta, cu = x["beta"], x["cu_seqlens"].to(torch.int32)
             h0 = x["initial_state"] if with_initial_state else None
             d_state = torch.randn_like(x["initial_state"])
-        forward(q, k, v, x["g"], beta, None, h0, not like_the_model, cu)
+        # the model's layer L2-normalises q and k in the inverse's kernel
+        forward(q, k, v, x["g"], beta, None, h0, not like_the_model, cu, normalize_qk=like_the_model)
         backward(q, k, v, x["g"], beta, 128 ** -0.5, h0, cu, torch.randn_like(v), d_state)
         # the variants a differentiated forward runs (the walk that also stores Ab, P and the
         # walk that stores the chunk states), and the backward that reads them
-        _, _, kept = forward(q, k, v, x["g"], beta, None, h0, not like_the_model, cu, keep_for_backward=True)
+        _, _, kept, *_ = forward(q, k, v, x["g"], beta, None, h0, not like_the_model, cu, keep_for_backward=True,
+                                 normalize_qk=like_the_model)
         backward(q, k, v, x["g"], beta, 128 ** -0.5, h0, cu, torch.randn_like(v), d_state, kept=kept)
         variant = "as the model calls it" if like_the_model else f"{dtype_name}, h0={with_initial_state}"
         print(f"ours {name} ({variant}): {time.time() - started:.0f} s", flush=True)
@@ -173,6 +175,7 @@ def compile_walks() -> None:
     keeps = ((False, False), (True, True), (False, True), (True, False))
     for dtype, beta_dtype in (("bfloat16", "float32"), ("bfloat16", "bfloat16"), ("float16", "float32")):
         compile_inverse(128, dtype, beta_dtype)
+        compile_inverse(128, dtype, beta_dtype, normalize_qk=True)
         for value_block in (32, 64, 128):
             for states, products in keeps:
                 compile_fused_forward(value_block, dtype, beta_dtype, 128, states, products)

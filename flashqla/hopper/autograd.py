@@ -1,8 +1,8 @@
 """The "tilelang" backend's runner: the Hopper forward and backward entries joined for autograd.
 
-With use_qk_l2norm_in_kernel the q/k L2 norm is part of the Function: its forward is a kernel of
-its own (flashqla/hopper/l2norm.py), and backward.py applies its backward, which needs only the
-norm's r (4 bytes a row) besides the q^, k^ the backward keeps anyway.
+With use_qk_l2norm_in_kernel the q/k L2 norm is part of the Function: its forward runs inside the
+inverse's kernel (inverse.py, normalize_qk), and backward.py applies its backward, which needs only
+the norm's r (4 bytes a row) besides the q^, k^ the backward keeps anyway.
 
 The kernel modules are imported inside forward and backward: this module, and the backend
 registry that names it, import without tilelang.
@@ -32,14 +32,6 @@ def keeps_for_backward(*inputs) -> bool:
     return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs)
 
 
-def l2_normalized(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x / sqrt(sum(x^2) + eps) over the last dim, in x's dtype and shape; its r, float32 [rows])."""
-    from flashqla.hopper.l2norm import EPS, l2norm_forward
-
-    y, rstd = l2norm_forward(x.reshape(-1, x.shape[-1]), EPS)
-    return y.view(x.shape), rstd
-
-
 class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
     """Saves the inputs (q, k normalised, with their r, under `l2norm`) and, when `keep`, the forward's
     gamma, A~, Ab, P and (with `keep_chunk_states`) chunk states (forward.KeptForward), which the
@@ -50,15 +42,14 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
                 l2norm=False, keep=False, keep_chunk_states=True):
         from flashqla.hopper import forward
 
+        o, final_state, *extras = forward.forward(
+            q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_host=cu_seqlens_host,
+            keep_for_backward=keep, keep_chunk_states=keep_chunk_states, normalize_qk=l2norm,
+        )
         rstds = ()
         if l2norm:
-            (q, q_rstd), (k, k_rstd) = l2_normalized(q), l2_normalized(k)
-            rstds = (q_rstd, k_rstd)
-        o, final_state, *kept = forward.forward(
-            q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_host=cu_seqlens_host,
-            keep_for_backward=keep, keep_chunk_states=keep_chunk_states,
-        )
-        ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, *rstds, *(kept[0] if keep else ()))
+            q, k, *rstds = extras.pop()
+        ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, *rstds, *(extras[0] if keep else ()))
         ctx.l2norm = l2norm
         ctx.scale = scale
         ctx.cu_seqlens_host = cu_seqlens_host

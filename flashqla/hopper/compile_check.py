@@ -21,6 +21,7 @@ from flashqla.hopper.walk_bounds import compile_walk_bounds
 
 COMPILE_CHECKS = [
     ("chunk_inverse", lambda: compile_inverse()),
+    ("chunk_inverse_normalizing_qk", lambda: compile_inverse(normalize_qk=True)),
     ("fused_forward", lambda: compile_fused_forward(64)),
     ("fused_forward_keeping_all", lambda: compile_fused_forward(128, store_chunk_states=True, store_products=True)),
     ("chunk_states", lambda: compile_chunk_states(64, with_transition=True)),

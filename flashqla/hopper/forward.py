@@ -14,7 +14,7 @@ import torch
 from flashqla.hopper.chunk_plan import ForwardPlan, device_sm_count, flat_cu_seqlens, plan_forward
 from flashqla.hopper.common import DEFAULT_LOG_DECAY_THRESHOLD, unsupported_inputs
 from flashqla.hopper.fused_forward import MAX_VALUE_BLOCK, fused_forward
-from flashqla.hopper.inverse import gamma_and_inverse
+from flashqla.hopper.inverse import NormalizedQK, gamma_and_inverse
 from flashqla.hopper.walk_bounds import walk_bounds
 
 
@@ -33,9 +33,9 @@ class KeptForward(NamedTuple):
 
 def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
             log_decay_threshold: float = DEFAULT_LOG_DECAY_THRESHOLD, cu_seqlens_host: list[int] | None = None,
-            keep_for_backward: bool = False, keep_chunk_states: bool = True):
-    """(o, final_state or None) for q, k [B, T, Hqk, 128], v [B, T, Hv, 128], g, beta [B, T, Hv]
-    (q, k already L2-normalised when asked), with a KeptForward third when keep_for_backward.
+            keep_for_backward: bool = False, keep_chunk_states: bool = True, normalize_qk: bool = False):
+    """(o, final_state or None) for q, k [B, T, Hqk, 128], v [B, T, Hv, 128], g, beta [B, T, Hv], with a
+    KeptForward next when keep_for_backward and an inverse.NormalizedQK last when normalize_qk.
 
     log_decay_threshold: how far a piece of a split sequence may truncate the history it rebuilds
     its entering state from (walk_bounds.py); -inf never truncates.
@@ -44,6 +44,8 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
     keep_for_backward: also return a KeptForward, which `backward.backward(..., kept=...)` takes
     instead of recomputing the inverse, the products and the chunk states; keep_chunk_states=False
     leaves the states out of it (T * Hv * 512 bytes).
+    normalize_qk: L2-normalise q and k (use_qk_l2norm_in_kernel) inside the inverse's kernel; the
+    NormalizedQK has q^, k^ in q's shape and their r flat (float32 [B * T * Hqk]), which the backward takes.
     """
     reason = unsupported_inputs(q, v)
     if reason is not None:
@@ -69,17 +71,20 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
 
     plan = plan_forward(cu_seqlens, num_v_heads, head_dim, device_sm_count(q.device), MAX_VALUE_BLOCK,
                         host_bounds=cu_seqlens_host)
-    gamma, inverse = gamma_and_inverse(k_flat, g.reshape(num_tokens, num_v_heads).contiguous(), beta_flat,
-                                       plan.chunk_bounds)
+    gamma, inverse, *normalized = gamma_and_inverse(
+        k_flat, g.reshape(num_tokens, num_v_heads).contiguous(), beta_flat, plan.chunk_bounds,
+        normalize_q=q_flat if normalize_qk else None)
+    if normalize_qk:
+        q_flat, k_flat, q_rstd, k_rstd = normalized[0]
+        normalized = [NormalizedQK(q_flat.view(q.shape), k_flat.view(k.shape), q_rstd.view(-1), k_rstd.view(-1))]
     h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
     o, final_state, chunk_states, gated_inverse, scores = walk_chunks(
         q_flat, k_flat, v_flat, gamma, beta_flat, inverse, scale, h0, cu_seqlens, plan, log_decay_threshold,
         store_chunk_states=keep_for_backward and keep_chunk_states, store_products=keep_for_backward)
     o = o.view(batch_size, seq_len, num_v_heads, head_dim)
     final_state = final_state if output_final_state else None
-    if keep_for_backward:
-        return o, final_state, KeptForward(gamma, gated_inverse, scores, inverse, chunk_states)
-    return o, final_state
+    kept = [KeptForward(gamma, gated_inverse, scores, inverse, chunk_states)] if keep_for_backward else []
+    return o, final_state, *kept, *normalized
 
 
 def walk_chunks(q_flat, k_flat, v_flat, gamma, beta_flat, inverse, scale, h0, cu_seqlens, plan: ForwardPlan,

@@ -25,11 +25,14 @@ of 4 warps an SM issue on about half the cycles): k's tile by TMA, four sums a t
 """
 
 import functools
+from types import SimpleNamespace
+from typing import NamedTuple
 
 import tilelang.language as T
 import torch
 
 from flashqla.hopper.common import CHUNK_SIZE, HEAD_DIM, compile_for_hopper, dtype_name
+from flashqla.hopper.l2norm import EPS
 
 _THREADS = 128
 _C = CHUNK_SIZE
@@ -37,24 +40,49 @@ _BLOCK = 16
 _HALF = _C // 2
 # Eight CTAs an SM (registers <= 64 a thread, 27 KB of shared memory each): 32 warps hide each other's loads.
 MIN_BLOCKS_PER_SM = 8
+# normalize_qk: a row's 128 elements over 16 threads of 8 (one 16-byte load each), 8 rows a pass
+_NORM_VECTOR = 8
+_NORM_LANES = HEAD_DIM // _NORM_VECTOR
+_NORM_ROWS = _THREADS // _NORM_LANES
+_NORM_PASSES = _C // _NORM_ROWS
 
 
 def inverse_program(head_dim: int = HEAD_DIM, dtype: str = "bfloat16", beta_dtype: str = "float32",
-                    g_dtype: str = "float32", min_blocks_per_sm: int = MIN_BLOCKS_PER_SM):
+                    g_dtype: str = "float32", min_blocks_per_sm: int = MIN_BLOCKS_PER_SM, normalize_qk: bool = False):
     num_tokens = T.dynamic("num_tokens")
     num_chunks = T.dynamic("num_chunks")
     num_v_heads = T.dynamic("num_v_heads")
     num_qk_heads = T.dynamic("num_qk_heads")
+    qk_shape = (num_tokens, num_qk_heads, head_dim)
 
-    @T.prim_func
-    def chunk_inverse_kernel(
-        k: T.Tensor((num_tokens, num_qk_heads, head_dim), dtype),
-        g: T.Tensor((num_tokens, num_v_heads), g_dtype),
-        beta: T.Tensor((num_tokens, num_v_heads), beta_dtype),
-        chunk_bounds: T.Tensor((num_chunks, 2), "int32"),
-        gamma: T.Tensor((num_tokens, num_v_heads), "float32"),
-        inverse: T.Tensor((num_tokens, num_v_heads, _C), dtype),
-    ):
+    @T.macro
+    def normalize_rows(values, rstd, thread, start, length, qk_head, normalized, normalized_rstd, write):
+        """values (this thread's 8 elements of rows thread // 16 + 8 p of a chunk's 64) <- y = x r, rstd[p]
+        <- their row's r; with `write`, rows < length of y to normalized [T, Hqk, K] and r to
+        normalized_rstd [T, Hqk]. The l2norm kernel's arithmetic in its order (sequential squares, then
+        the shuffles), so the same bits as it."""
+        col = thread % _NORM_LANES * _NORM_VECTOR
+        for p in T.unroll(_NORM_PASSES):
+            rstd[p] = 0.0
+            for j in T.unroll(_NORM_VECTOR):
+                rstd[p] = rstd[p] + T.cast(values[p, j], "float32") * T.cast(values[p, j], "float32")
+            for o in T.unroll(4):
+                rstd[p] = rstd[p] + T.shfl_xor(rstd[p], (_NORM_LANES // 2) >> o)
+            rstd[p] = T.rsqrt(rstd[p] + EPS)
+        for p in T.unroll(_NORM_PASSES):
+            for j in T.unroll(_NORM_VECTOR):
+                values[p, j] = T.cast(T.cast(values[p, j], "float32") * rstd[p], dtype)
+        if write:
+            for p in T.unroll(_NORM_PASSES):
+                row = p * _NORM_ROWS + thread // _NORM_LANES
+                if row < length:
+                    for j in T.vectorized(_NORM_VECTOR):
+                        normalized[start + row, qk_head, col + j] = values[p, j]
+                    if thread % _NORM_LANES == 0:
+                        normalized_rstd[start + row, qk_head] = rstd[p]
+
+    @T.macro
+    def body(k, g, beta, chunk_bounds, gamma, inverse, norm):
         # Value heads of one chunk are neighbours in the grid: a qk head's group reads its k tile from L2.
         # The group member as a grid axis of its own: no integer division by a run-time group size.
         group = num_v_heads // num_qk_heads
@@ -92,6 +120,10 @@ def inverse_program(head_dim: int = HEAD_DIM, dtype: str = "bfloat16", beta_dtyp
             quarters = T.view(lower, (4, _HALF, _HALF))
             corner = T.alloc_fragment((_HALF, _HALF), "float32")
             out_shared = T.alloc_shared((_C, _C), dtype)
+            if norm is not None:
+                rows = T.alloc_local((_NORM_PASSES, _NORM_VECTOR), dtype)
+                rstd = T.alloc_local((_NORM_PASSES,), "float32")
+                norm_col = thread % _NORM_LANES * _NORM_VECTOR
 
             # The whole tile by TMA: rows past the chunk's end (the next sequence's k, or TMA's zeros past the
             # tensor) reach only rows of K K^T that beta = 0 clears and entries above the diagonal, which no
@@ -99,10 +131,31 @@ def inverse_program(head_dim: int = HEAD_DIM, dtype: str = "bfloat16", beta_dtyp
             T.tma_copy(k[start:start + _C, qk_head, 0:head_dim], k_shared, barrier=k_loaded[0])
             if T.shuffle_elect(_THREADS):
                 T.barrier_arrive(k_loaded[0])
+            # q's L2 norm, by the group's first member while k's tile loads: q is read only here and by the walk.
+            # Rows past the tensor read its last row (all 16 lanes of a row take part in the shuffles).
+            if norm is not None:
+                if member == 0:
+                    for p in T.unroll(_NORM_PASSES):
+                        for j in T.vectorized(_NORM_VECTOR):
+                            rows[p, j] = norm.q[T.min(start + p * _NORM_ROWS + thread // _NORM_LANES, num_tokens - 1),
+                                                qk_head, norm_col + j]
+                    normalize_rows(rows, rstd, thread, start, length, qk_head, norm.q_hat, norm.q_rstd, True)
             for t in T.Parallel(_C):
                 beta_shared[t] = T.if_then_else(t < length, T.cast(beta[start + t, head], "float32"), 0.0)
                 g_shared[t] = T.if_then_else(t < length, T.cast(g[start + t, head], "float32"), 0.0)
             T.mbarrier_wait_parity(k_loaded[0], 0)
+            # k's L2 norm in place in shared memory (every member multiplies by its own k^); the first member
+            # writes k^ and r for the walk and the backward.
+            if norm is not None:
+                for p in T.unroll(_NORM_PASSES):
+                    for j in T.vectorized(_NORM_VECTOR):
+                        rows[p, j] = k_shared[p * _NORM_ROWS + thread // _NORM_LANES, norm_col + j]
+                normalize_rows(rows, rstd, thread, start, length, qk_head, norm.k_hat, norm.k_rstd, member == 0)
+                for p in T.unroll(_NORM_PASSES):
+                    for j in T.vectorized(_NORM_VECTOR):
+                        k_shared[p * _NORM_ROWS + thread // _NORM_LANES, norm_col + j] = rows[p, j]
+                T.fence_proxy_async()
+                T.sync_threads()
             T.gemm(k_shared, k_shared, gram, transpose_B=True, clear_accum=True)
 
             # 1. L = beta_i (K K^T)_ij in one plain pass over the fragment (the later steps read only its
@@ -181,26 +234,78 @@ def inverse_program(head_dim: int = HEAD_DIM, dtype: str = "bfloat16", beta_dtyp
                 if t < length:
                     gamma[start + t, head] = gamma_shared[t]
 
-    return chunk_inverse_kernel
+    if not normalize_qk:
+        @T.prim_func
+        def chunk_inverse_kernel(
+            k: T.Tensor(qk_shape, dtype),
+            g: T.Tensor((num_tokens, num_v_heads), g_dtype),
+            beta: T.Tensor((num_tokens, num_v_heads), beta_dtype),
+            chunk_bounds: T.Tensor((num_chunks, 2), "int32"),
+            gamma: T.Tensor((num_tokens, num_v_heads), "float32"),
+            inverse: T.Tensor((num_tokens, num_v_heads, _C), dtype),
+        ):
+            body(k, g, beta, chunk_bounds, gamma, inverse, None)
+
+        return chunk_inverse_kernel
+
+    @T.prim_func
+    def normalizing_inverse_kernel(
+        q: T.Tensor(qk_shape, dtype),
+        k: T.Tensor(qk_shape, dtype),
+        g: T.Tensor((num_tokens, num_v_heads), g_dtype),
+        beta: T.Tensor((num_tokens, num_v_heads), beta_dtype),
+        chunk_bounds: T.Tensor((num_chunks, 2), "int32"),
+        q_hat: T.Tensor(qk_shape, dtype),
+        k_hat: T.Tensor(qk_shape, dtype),
+        q_rstd: T.Tensor((num_tokens, num_qk_heads), "float32"),
+        k_rstd: T.Tensor((num_tokens, num_qk_heads), "float32"),
+        gamma: T.Tensor((num_tokens, num_v_heads), "float32"),
+        inverse: T.Tensor((num_tokens, num_v_heads, _C), dtype),
+    ):
+        body(k, g, beta, chunk_bounds, gamma, inverse,
+             SimpleNamespace(q=q, q_hat=q_hat, k_hat=k_hat, q_rstd=q_rstd, k_rstd=k_rstd))
+
+    return normalizing_inverse_kernel
 
 
 @functools.lru_cache(maxsize=None)
 def compile_inverse(head_dim: int = HEAD_DIM, dtype: str = "bfloat16", beta_dtype: str = "float32",
-                    g_dtype: str = "float32", min_blocks_per_sm: int = MIN_BLOCKS_PER_SM):
-    program = inverse_program(head_dim, dtype, beta_dtype, g_dtype, min_blocks_per_sm)
+                    g_dtype: str = "float32", min_blocks_per_sm: int = MIN_BLOCKS_PER_SM, normalize_qk: bool = False):
+    program = inverse_program(head_dim, dtype, beta_dtype, g_dtype, min_blocks_per_sm, normalize_qk)
     return compile_for_hopper(program, fast_math=True)
 
 
-def gamma_and_inverse(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                      chunk_bounds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+class NormalizedQK(NamedTuple):
+    """q and k after the L2 norm of use_qk_l2norm_in_kernel (x r, r = (sum(x^2) + eps)^-1/2), and r."""
+
+    q: torch.Tensor       # [T, Hqk, K] in q's dtype
+    k: torch.Tensor
+    q_rstd: torch.Tensor  # float32 [T, Hqk]
+    k_rstd: torch.Tensor
+
+
+def gamma_and_inverse(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, chunk_bounds: torch.Tensor,
+                      normalize_q: torch.Tensor | None = None):
     """(gamma, A~) of every chunk and value head: gamma float32 [T, Hv], A~ [T, Hv, 64] in k's dtype,
     for k [T, Hqk, K], g and beta [T, Hv] (float32, bf16 or fp16) and chunk_bounds, int32 [num_chunks, 2]
-    (chunk_plan.chunk_bounds, ForwardPlan.chunk_bounds)."""
-    num_tokens, _, head_dim = k.shape
+    (chunk_plan.chunk_bounds, ForwardPlan.chunk_bounds).
+
+    normalize_q: q [T, Hqk, K], given to L2-normalise q and k in the same kernel (k is normalised before its
+    products): then (gamma, A~ of k^, NormalizedQK), bitwise what l2norm.l2norm_forward gives."""
+    num_tokens, num_qk_heads, head_dim = k.shape
     num_v_heads = beta.shape[1]
     gamma = torch.empty(num_tokens, num_v_heads, dtype=torch.float32, device=k.device)
     inverse = torch.empty(num_tokens, num_v_heads, _C, dtype=k.dtype, device=k.device)
+    kernel = None
     if chunk_bounds.shape[0] > 0:
-        kernel = compile_inverse(head_dim, dtype_name(k), dtype_name(beta), dtype_name(g))
-        kernel(k, g, beta, chunk_bounds, gamma, inverse)
-    return gamma, inverse
+        kernel = compile_inverse(head_dim, dtype_name(k), dtype_name(beta), dtype_name(g),
+                                 normalize_qk=normalize_q is not None)
+    if normalize_q is None:
+        if kernel is not None:
+            kernel(k, g, beta, chunk_bounds, gamma, inverse)
+        return gamma, inverse
+    rstds = torch.empty(2, num_tokens, num_qk_heads, dtype=torch.float32, device=k.device)
+    normalized = NormalizedQK(torch.empty_like(normalize_q), torch.empty_like(k), rstds[0], rstds[1])
+    if kernel is not None:
+        kernel(normalize_q, k, g, beta, chunk_bounds, *normalized, gamma, inverse)
+    return gamma, inverse, normalized

@@ -1,8 +1,9 @@
 """The q/k L2 normalisation of `use_qk_l2norm_in_kernel` as two memory-bound kernels.
 
 y = x * r with r = (sum(x^2) + eps)^(-1/2) over the last dim, in float32 and rounded once; its
-gradient dx = r * (dy - y * sum(y * dy)), which needs only y and r (4 bytes a row). The op's
-autograd Function (autograd.py) runs the forward; the backward runs here for grouped value heads,
+gradient dx = r * (dy - y * sum(y * dy)), which needs only y and r (4 bytes a row). The op runs the
+forward inside the inverse's kernel (inverse.py, normalize_qk, the same arithmetic and bits): the one
+here is its reference and the bench's unfused stage. The backward runs here for grouped value heads,
 else inside the chunk-gradient kernel's epilogues (backward.py says why).
 
 Rows of 128 elements; 16 threads a row, each with 8 neighbouring elements (one 16-byte load), so a
@@ -137,3 +138,9 @@ def l2norm_backward(dy: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor) -> to
     if dy.shape[0]:
         compile_l2norm_backward(dtype_name(dy))(dy, y, rstd, dx)
     return dx
+
+
+def l2_normalized(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x / sqrt(sum(x^2) + eps) over the last dim, in x's dtype and shape; its r, float32 [rows])."""
+    y, rstd = l2norm_forward(x.reshape(-1, x.shape[-1]), EPS)
+    return y.view(x.shape), rstd

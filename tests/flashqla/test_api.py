@@ -199,26 +199,26 @@ def test_saved_inputs_hold_no_larger_base(monkeypatch):
 
 
 def test_the_l2_norm_reaches_the_walk_and_its_r_the_backward(monkeypatch):
-    """With use_qk_l2norm_in_kernel the forward walks the normalised q and k, and the backward gets
-    those and the norm's r (it applies the norm's backward in the chunk-gradient kernel); without
-    it, neither is touched and no r is passed. Stand-in kernels, no GPU."""
+    """With use_qk_l2norm_in_kernel the forward is asked to normalise q and k (in the inverse's kernel)
+    and the backward gets the normalised q, k it returned and their r (it applies the norm's backward in
+    the chunk-gradient kernel); without it, q and k reach both as given and no r is passed. Stand-in
+    kernels, no GPU."""
     from flashqla.hopper import autograd, backward, forward
+    from flashqla.hopper.inverse import NormalizedQK
 
-    walked, received = [], []
+    asked, received = [], []
 
-    def fake_normalized(x):
-        return x * 2.0, torch.full((x.numel() // x.shape[-1],), 0.5)
-
-    def fake_forward(q, k, v, *args, **kwargs):
-        walked.append((q, k))
-        return v * 1.0, None
+    def fake_forward(q, k, v, *args, normalize_qk=False, **kwargs):
+        asked.append(normalize_qk)
+        rows = q.numel() // q.shape[-1]
+        normalized = [NormalizedQK(q * 2.0, k * 2.0, torch.full((rows,), 0.5), torch.full((rows,), 0.25))]
+        return v * 1.0, None, *(normalized if normalize_qk else [])
 
     def fake_backward(q, k, v, g, beta, scale, h0, cu, d_o, d_state, cu_seqlens_host=None, kept=None,
                       q_rstd=None, k_rstd=None):
         received.append((q, k, q_rstd, k_rstd))
         return (torch.zeros_like(q), torch.zeros_like(k), d_o, torch.zeros_like(g), torch.zeros_like(beta), None)
 
-    monkeypatch.setattr(autograd, "l2_normalized", fake_normalized)
     monkeypatch.setattr(forward, "forward", fake_forward)
     monkeypatch.setattr(backward, "backward", fake_backward)
     q, k = torch.randn(1, 4, 1, 8, requires_grad=True), torch.randn(1, 4, 1, 8, requires_grad=True)
@@ -226,10 +226,8 @@ def test_the_l2_norm_reaches_the_walk_and_its_r_the_backward(monkeypatch):
     for l2norm in (True, False):
         o, _ = autograd.chunk_gated_delta_rule_hopper(q, k, v, g, beta, 1.0, None, False, l2norm, None, None, False)
         o.sum().backward()
-    (q_walked, k_walked), (q_plain, k_plain) = walked
-    assert torch.equal(q_walked, q.detach() * 2) and torch.equal(k_walked, k.detach() * 2)
-    assert torch.equal(q_plain, q.detach()) and torch.equal(k_plain, k.detach())
-    q_saved, k_saved, q_rstd, k_rstd = received[0]
-    assert torch.equal(q_saved, q_walked) and torch.equal(k_saved, k_walked)
-    assert q_rstd.shape == k_rstd.shape == (4,) and bool((q_rstd == 0.5).all())
-    assert received[1][2] is None and received[1][3] is None
+    assert asked == [True, False]
+    (q_saved, k_saved, q_rstd, k_rstd), (q_plain, k_plain, *no_rstds) = received
+    assert torch.equal(q_saved, q.detach() * 2) and torch.equal(k_saved, k.detach() * 2)
+    assert bool((q_rstd == 0.5).all()) and bool((k_rstd == 0.25).all()) and q_rstd.shape == (4,)
+    assert torch.equal(q_plain, q.detach()) and torch.equal(k_plain, k.detach()) and no_rstds == [None, None]

@@ -163,7 +163,7 @@ def test_l2norm_backward_in_the_epilogues(heads, lengths):
     path's dq, dk are the kernel's (bf16) put through r (dy - y (y . dy)) in float64 per value head
     (the norm's backward is linear, so per head and after the group sum agree)."""
     from flashqla.hopper.backward_chunk_grads import chunk_gradients
-    from flashqla.hopper.autograd import l2_normalized
+    from flashqla.hopper.l2norm import l2_normalized
     from flashqla.testing import relative_error
 
     num_qk_heads, num_v_heads = heads

@@ -209,3 +209,46 @@ def test_inverse_is_bitwise_deterministic(heads):
     inputs = make_inputs(RAGGED + [4096], *heads, seed=7)
     first, second = run_inverse(inputs), run_inverse(inputs)
     assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+
+
+def _unnormalized(x: torch.Tensor, seed: int) -> torch.Tensor:
+    """x with its rows' norms spread from 0.01 to 10 and one row of zeros: what the L2 norm is given."""
+    generator = torch.Generator(device=x.device).manual_seed(seed)
+    norms = torch.logspace(-2, 1, x.shape[1], device=x.device)[torch.randperm(x.shape[1], generator=generator,
+                                                                            device=x.device)]
+    x = (x.float() * norms[None, :, None, None]).to(x.dtype)
+    x[0, 0, 0] = 0
+    return x
+
+
+@pytest.mark.gpu
+@requires_hopper
+@pytest.mark.parametrize("dtype,beta_dtype", [(torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                              (torch.float16, torch.float32)], ids=["bf16", "bf16_beta", "fp16"])
+@pytest.mark.parametrize("heads", HEAD_LAYOUTS, ids=HEAD_IDS)
+def test_inverse_with_the_norm_matches_the_unfused_norm_bitwise(heads, dtype, beta_dtype):
+    """normalize_q: q^, k^ and their r as the l2norm kernel makes them, and gamma and A~ as the inverse makes
+    them from that k^, bit for bit, on ragged lengths (a partial last chunk at the tensor's end), with
+    NaN-poisoned memory (an unwritten row shows) and every value-head group member reading one q, k."""
+    from flashqla.hopper.inverse import gamma_and_inverse
+    from flashqla.hopper.l2norm import l2_normalized
+
+    inputs = make_inputs(RAGGED + [100], *heads, seed=11)
+    q = _unnormalized(inputs["q"], seed=1).to(dtype)
+    k = _unnormalized(inputs["k"], seed=2).to(dtype)
+    args = flat_args(dict(inputs, k=k, beta=inputs["beta"].to(beta_dtype)))
+    q_flat = q.reshape(args["k"].shape).contiguous()
+    poison_allocator()
+    gamma, inverse, fused = gamma_and_inverse(**args, normalize_q=q_flat)
+    (q_hat, q_rstd), (k_hat, k_rstd) = l2_normalized(q_flat), l2_normalized(args["k"])
+    gamma_unfused, inverse_unfused = gamma_and_inverse(**dict(args, k=k_hat))
+    torch.cuda.synchronize()
+    for name, ours, unfused in (("q^", fused.q, q_hat), ("k^", fused.k, k_hat), ("r of q", fused.q_rstd, q_rstd),
+                                ("r of k", fused.k_rstd, k_rstd), ("gamma", gamma, gamma_unfused),
+                                ("A~", inverse, inverse_unfused)):
+        assert torch.isfinite(ours).all(), f"{name}: NaN or inf (an unwritten row?)"
+        unfused = unfused.view(ours.shape)
+        mismatched = (ours != unfused).sum().item()
+        print(f"\n{heads} {dtype} beta {beta_dtype} {name}: {mismatched} of {ours.numel()} differ, largest "
+              f"{(ours.float() - unfused.float()).abs().max().item():.2e}")
+        assert mismatched == 0, name

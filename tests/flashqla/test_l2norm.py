@@ -31,7 +31,7 @@ def _relative(ours, truth):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("tokens", [40, 2731], ids=["240_rows", "16386_rows"])
 def test_hopper_kernels_match_float64_autograd(dtype, tokens):
-    from flashqla.hopper.autograd import l2_normalized
+    from flashqla.hopper.l2norm import l2_normalized
     from flashqla.hopper.l2norm import l2norm_backward
     from hopper_grid import poison_allocator
 
