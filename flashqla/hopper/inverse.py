@@ -22,6 +22,12 @@ not a chunk index -> cu_seqlens chain. k arrives by one TMA load, waited for bef
 T.Pipelined loop, so there is no producer to race with. Per-thread work is kept to few instructions (8 CTAs
 of 4 warps an SM issue on about half the cycles): k's tile by TMA, four sums a thread in step 3
 (docs/kernel-notes.md, twenty-fifth session).
+
+normalize_qk (the op's use_qk_l2norm_in_kernel): the same kernel L2-normalises q and k first and writes q^,
+k^ and their r, which the walk and the backward read. The group's first member normalises q from global
+memory while k's tile loads; every member normalises its k tile in shared memory before K K^T. The
+l2norm kernel's arithmetic in its order, so the same bits; one launch and one read of k fewer than the norm
+kernel twice, 1.12-1.21x (docs/kernel-notes.md, twenty-sixth session).
 """
 
 import functools
@@ -131,8 +137,8 @@ def inverse_program(head_dim: int = HEAD_DIM, dtype: str = "bfloat16", beta_dtyp
             T.tma_copy(k[start:start + _C, qk_head, 0:head_dim], k_shared, barrier=k_loaded[0])
             if T.shuffle_elect(_THREADS):
                 T.barrier_arrive(k_loaded[0])
-            # q's L2 norm, by the group's first member while k's tile loads: q is read only here and by the walk.
-            # Rows past the tensor read its last row (all 16 lanes of a row take part in the shuffles).
+            # q's L2 norm, by the group's first member while k's tile loads. Rows past the tensor read its last
+            # row: every lane of a warp takes part in the shuffles, and only rows < length are written.
             if norm is not None:
                 if member == 0:
                     for p in T.unroll(_NORM_PASSES):
