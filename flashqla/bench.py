@@ -2,7 +2,7 @@
 and side-by-side timings of kernel variants (--compare).
 
     python -m flashqla.bench [--fwd] [--bwd] [--json PATH] [--shapes SUBSTR,...] [--baselines fla,flashqla]
-                             [--time-budget SECONDS] [--breakdown] [--model]
+                             [--time-budget SECONDS] [--breakdown] [--model] [--keep true|products|false]
     python -m flashqla.bench --compare [keep_forward,conv,inverse,chunk_grads_l2norm,forward_walk]
                              [--json PATH]
 
@@ -19,7 +19,8 @@ fp32 beta = sigmoid(rand), fp32 initial state, final state on, K = V = 128, B = 
 Median of triton.testing.do_bench; forward under no_grad; backward = (forward + backward) - forward.
 --model calls the op as the model's GDN layer does instead, on its head layouts (16/16 at 32768 and
 131072 tokens, 8/8 at 131072): q, k not normalised with use_qk_l2norm_in_kernel=True, bf16 beta, no
-initial or final state, and the forward timed under autograd (what it keeps for the backward included).
+initial or final state, and the forward timed under autograd (what it keeps for the backward included:
+--keep picks our op's keep_for_backward, true by default as the op's; the model configs keep "products").
 Per shape it also records each library's first call (compile included: FlashQLA compiles about a
 dozen TileLang kernels per head layout, minutes without a carried TileLang cache) and the relative
 L2 distance of o and the final state from FLA's.
@@ -52,10 +53,14 @@ import time
 import torch
 import torch.nn.functional as F
 
+from flashqla.api import KEEP_FOR_BACKWARD
+
 HEAD_LAYOUTS = {"TP1": (16, 64), "TP1.33": (16, 48), "TP2": (16, 32), "TP2'": (8, 32), "TP2.67": (8, 24),
                 "TP4": (4, 16), "TP8": (2, 8), "16/16": (16, 16)}
 LENGTHS = {"1x8192": [8192], "1x32768": [32768], "28672+4096": [28672, 4096], "8192x4": [8192] * 4}
 DIFFERENTIABLE_INPUTS = ("q", "k", "v", "g", "beta", "initial_state")
+# --keep: the op's keep_for_backward values by their command-line names (true, products, false)
+KEEP_CHOICES = {str(value).lower(): value for value in KEEP_FOR_BACKWARD}
 
 
 # The GDN layers of the models we train: 0.8B and 2B (16/16 heads), and the same at tp = 2 (8/8).
@@ -115,9 +120,10 @@ def _output_grads_for(outputs: tuple, seed: int = 1) -> tuple:
     return tuple(torch.randn(t.shape, generator=gen, device=t.device, dtype=t.dtype) for t in outputs)
 
 
-def implementations(baselines: list[str], host_offsets: bool = True, backend: str = "tilelang") -> dict:
-    """name -> f(inputs) returning (o, final_state or None); ours first (through `backend`). Each
-    calls its library's public op with the inputs' state and L2-norm flags."""
+def implementations(baselines: list[str], host_offsets: bool = True, backend: str = "tilelang",
+                    keep_for_backward: bool | str = True) -> dict:
+    """name -> f(inputs) returning (o, final_state or None); ours first (through `backend`, with
+    `keep_for_backward`). Each calls its library's public op with the inputs' state and L2-norm flags."""
     from flashqla import chunk_gated_delta_rule as ours_op
 
     def host_copy(x):
@@ -129,7 +135,7 @@ def implementations(baselines: list[str], host_offsets: bool = True, backend: st
 
     def ours(x):
         return ours_op(x["q"], x["k"], x["v"], x["g"], x["beta"], **flags(x), cu_seqlens=x["cu_seqlens"],
-                       cu_seqlens_cpu=host_copy(x), backend=backend)
+                       cu_seqlens_cpu=host_copy(x), backend=backend, keep_for_backward=keep_for_backward)
 
     impls = {"ours": ours}
     if "fla" in baselines:
@@ -572,6 +578,9 @@ def main(argv=None) -> None:
     parser.add_argument("--model", action="store_true",
                         help="the op as the model calls it (unnormalised q, k with the in-kernel L2 norm, bf16 beta, no "
                              "initial or final state, the forward under autograd) on the model's head layouts")
+    parser.add_argument("--keep", choices=sorted(KEEP_CHOICES), default="true",
+                        help="our op's keep_for_backward under autograd: true (the op's default and the 128k "
+                             "preset's), products (the model configs' default) or false; the baselines have none")
     parser.add_argument("--compare", nargs="?", const=",".join(COMPARISONS), default=None,
                         help=f"comma-separated, default all: {', '.join(COMPARISONS)}; times these kernel variants "
                              "side by side instead of the libraries")
@@ -587,7 +596,8 @@ def main(argv=None) -> None:
         return
     started = time.perf_counter()
     do_forward = args.fwd or not args.bwd
-    impls = implementations([b for b in args.baselines.split(",") if b], args.host_offsets)
+    keep = KEEP_CHOICES[args.keep]
+    impls = implementations([b for b in args.baselines.split(",") if b], args.host_offsets, keep_for_backward=keep)
     wanted = [s for s in args.shapes.split(",") if s]
     candidates = MODEL_SHAPES if args.model else bench_shapes()
     shapes = [s for s in candidates if not wanted or any(w in s[0] for w in wanted)]
@@ -644,17 +654,18 @@ def main(argv=None) -> None:
         del inputs
         torch.cuda.empty_cache()
         if args.json:
-            write_json(args.json, results, skipped, impls, args.host_offsets)
+            write_json(args.json, results, skipped, impls, args.host_offsets, keep)
 
     print()
     print(format_table(results, impls, do_forward, args.bwd))
     if skipped:
         print(f"skipped for --time-budget {args.time_budget:g} s: {', '.join(skipped)}")
     if args.json:
-        write_json(args.json, results, skipped, impls, args.host_offsets)
+        write_json(args.json, results, skipped, impls, args.host_offsets, keep)
 
 
-def write_json(path: str, results: list[dict], skipped: list[str], impls: dict, host_offsets: bool) -> None:
+def write_json(path: str, results: list[dict], skipped: list[str], impls: dict, host_offsets: bool,
+               keep_for_backward: bool | str = True) -> None:
     import importlib.metadata as metadata
 
     versions = {}
@@ -665,7 +676,8 @@ def write_json(path: str, results: list[dict], skipped: list[str], impls: dict, 
             versions[package] = None
     with open(path, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "versions": versions, "implementations": list(impls),
-                   "host_offsets": host_offsets, "results": results, "skipped": skipped}, f, indent=1)
+                   "host_offsets": host_offsets, "keep_for_backward": keep_for_backward, "results": results,
+                   "skipped": skipped}, f, indent=1)
 
 
 def format_row(row: dict, impls: dict) -> str:

@@ -40,7 +40,8 @@
 #   timing-cost         32768 tokens with kernel timing on and off
 #   checkpoint-layers   131072 tokens with train.checkpoint_layers=16
 #   model-bench         python -m flashqla.bench --model --fwd --bwd (ours / FLA / FlashQLA as the model calls the op;
-#                       SHAPES=substr,... filters; BREAKDOWN=1 adds our stages; BASELINES= (empty): ours alone)
+#                       SHAPES=substr,... filters; BREAKDOWN=1 adds our stages; BASELINES= (empty): ours alone;
+#                       KEEP=products|false: what our op keeps for the backward, true by default)
 #   model-vs-hf         python -m benchmarks.model_vs_hf: ours, HF + FLA, HF + FlashQLA at 16384 tokens
 #   train-8k            launch/benchmark.sh 0.8B 8192 tilelang,fla
 #   train-128k-tilelang launch/benchmark.sh 0.8B 131072 tilelang
@@ -254,7 +255,8 @@ print("max |difference|", max(abs(losses[0][s] - losses[1][s]) for s in losses[0
         ;;
     model-bench)
         step model-bench 500 60 "$PYTHON" -m flashqla.bench --model --fwd --bwd --baselines "${BASELINES-fla,flashqla}" \
-            --json "$OUT/model-bench.json" ${SHAPES:+--shapes "$SHAPES"} ${BREAKDOWN:+--breakdown}
+            --json "$OUT/model-bench.json" ${SHAPES:+--shapes "$SHAPES"} ${BREAKDOWN:+--breakdown} \
+            ${KEEP:+--keep "$KEEP"}
         ;;
     model-vs-hf)
         step model-vs-hf 590 60 env OUT="$OUT" "$PYTHON" -m benchmarks.model_vs_hf \

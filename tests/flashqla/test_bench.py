@@ -29,3 +29,23 @@ def test_the_model_layouts_are_in_the_bench():
     names = [name for name, _, _ in bench_shapes()]
     assert "16/16 1x131072" in names and "8/8 1x131072" in names
     assert [name for name, _, _ in MODEL_SHAPES] == ["16/16 1x32768", "16/16 1x131072", "8/8 1x131072"]
+
+
+@pytest.mark.parametrize("name", ["true", "products", "false"])
+def test_keep_reaches_our_op_only(monkeypatch, tmp_path, name):
+    """--keep NAME is the op's keep_for_backward for ours (True, "products", False), and the JSON says which."""
+    import json
+
+    import flashqla
+    from flashqla.api import KEEP_FOR_BACKWARD
+    from flashqla.bench import KEEP_CHOICES, write_json
+
+    assert set(KEEP_CHOICES) == {"true", "products", "false"} and list(KEEP_CHOICES.values()) == list(KEEP_FOR_BACKWARD)
+    seen = []
+    monkeypatch.setattr(flashqla, "chunk_gated_delta_rule", lambda *args, **kwargs: seen.append(kwargs))
+    implementations([], keep_for_backward=KEEP_CHOICES[name])["ours"](make_inputs((2, 4), [40], device="cpu"))
+    assert seen[0]["keep_for_backward"] is KEEP_CHOICES[name]
+    path = tmp_path / "bench.json"
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "cpu")
+    write_json(path, [], [], {"ours": None}, True, KEEP_CHOICES[name])
+    assert json.load(open(path))["keep_for_backward"] == KEEP_CHOICES[name]
