@@ -165,7 +165,9 @@ def compile_ours(shapes, like_the_model: bool = False, with_initial_state: bool 
 def compile_walks() -> None:
     """The forward walk (flashqla/hopper/fused_forward.py) and the inverse (inverse.py) in every
     specialisation the tests and the training runs reach (head counts and lengths are run-time
-    arguments of both): V blocks, dtypes, and what the walk stores."""
+    arguments of both): V blocks, dtypes, and what the walk stores; the state-only walk
+    (chunk_states.py) as the tests call it."""
+    from flashqla.hopper.chunk_states import compile_chunk_states
     from flashqla.hopper.fused_forward import compile_fused_forward
     from flashqla.hopper.inverse import compile_inverse
 
@@ -180,6 +182,10 @@ def compile_walks() -> None:
             for states, products in keeps:
                 compile_fused_forward(value_block, dtype, beta_dtype, 128, states, products)
     compile_inverse(128, "bfloat16", "bfloat16", "bfloat16")  # g in bf16 too (test_hopper_inverse.py)
+    # the state-only walk the forward and kept-forward tests check against: (h0, states stored, transition)
+    for use_initial_state, store, transition in ((True, True, False), (False, False, True), (True, False, False)):
+        compile_chunk_states(64, use_initial_state=use_initial_state, store_chunk_states=store,
+                             with_transition=transition)
     for value_block in (64, 128):  # tools/walk_timeline.py: the recording walk, storing everything or nothing
         for stored in (True, False):
             compile_fused_forward(value_block, "bfloat16", "float32", 128, stored, stored, record_timeline=True)
