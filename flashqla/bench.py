@@ -465,7 +465,7 @@ def compare_inverse(rep_ms: int):
     """A~ of every chunk (flashqla/hopper/inverse.py, which makes gamma beside it) against FlashQLA's kkt_solve,
     which makes the same [T, Hv, 64] A~, on the bench inputs (normalised k, fp32 beta); FlashQLA's only where it
     is installed."""
-    from flashqla.hopper.chunk_plan import chunk_bounds, chunk_indices
+    from flashqla.hopper.chunk_plan import chunk_bounds
     from flashqla.hopper.inverse import gamma_and_inverse
 
     try:
@@ -475,7 +475,7 @@ def compare_inverse(rep_ms: int):
     for name, heads, seq_lens in INVERSE_SHAPES:
         x = make_inputs(heads, seq_lens)
         k, g, beta, cu = x["k"][0], x["g"][0], x["beta"][0], x["cu_seqlens"]
-        bounds = chunk_bounds(cu, chunk_indices(cu))
+        bounds = chunk_bounds(cu)
         times = {"ours": _median_ms(lambda: gamma_and_inverse(k, g, beta, bounds), rep_ms)}
         if kkt_solve is not None:
             times["flashqla kkt_solve"] = _median_ms(lambda: kkt_solve(x["k"], x["beta"], cu_seqlens=x["cu_seqlens_long"]),

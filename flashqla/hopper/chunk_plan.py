@@ -46,9 +46,12 @@ def chunk_indices(cu_seqlens: torch.Tensor, chunk_size: int = CHUNK_SIZE) -> tor
     return torch.stack([sequence, within], dim=1).to(torch.int32).contiguous()
 
 
-def chunk_bounds(cu_seqlens: torch.Tensor, chunk_index: torch.Tensor, chunk_size: int = CHUNK_SIZE) -> torch.Tensor:
-    """int32 [num_chunks, 2]: (first token, number of tokens) of every chunk of chunk_index, so that a
-    kernel finds a chunk's rows with one load instead of two dependent ones."""
+def chunk_bounds(cu_seqlens: torch.Tensor, chunk_index: torch.Tensor | None = None,
+                 chunk_size: int = CHUNK_SIZE) -> torch.Tensor:
+    """int32 [num_chunks, 2]: (first token, number of tokens) of every chunk of chunk_index (default:
+    chunk_indices(cu_seqlens)), so that a kernel finds a chunk's rows with one load instead of two dependent ones."""
+    if chunk_index is None:
+        chunk_index = chunk_indices(cu_seqlens, chunk_size)
     sequence = chunk_index[:, 0].long()
     start = cu_seqlens[sequence] + chunk_index[:, 1] * chunk_size
     length = torch.clamp(cu_seqlens[sequence + 1] - start, max=chunk_size)

@@ -34,7 +34,7 @@ def test_chunk_bounds_of_ragged_batch():
 
     cu_seqlens = torch.tensor([0, 100, 100, 164, 165], dtype=torch.int32)  # 100, 0, 64, 1 tokens
     bounds = chunk_bounds(cu_seqlens, chunk_indices(cu_seqlens))
-    assert bounds.dtype == torch.int32
+    assert bounds.dtype == torch.int32 and torch.equal(chunk_bounds(cu_seqlens), bounds)
     assert bounds.tolist() == [[0, 64], [64, 36], [100, 64], [164, 1]]
     plan = build_forward_plan(cu_seqlens.tolist(), torch.device("cpu"), num_heads=4)
     assert plan.chunk_bounds.dtype == torch.int32 and torch.equal(plan.chunk_bounds, bounds)

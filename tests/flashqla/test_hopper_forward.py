@@ -76,14 +76,13 @@ def test_forward_other_dtypes_and_groups():
 
 def test_chunk_states_match_fused_forward_final_state():
     """The state-only kernel's final state equals the fused kernel's, and its first chunk state is h0."""
-    from flashqla.hopper.chunk_plan import chunk_bounds, chunk_indices, chunk_offsets
+    from flashqla.hopper.chunk_plan import chunk_bounds, chunk_offsets
     from flashqla.hopper.chunk_states import chunk_states
     from flashqla.hopper.inverse import gamma_and_inverse
 
     inputs = make_inputs(RAGGED, 2, 8, with_initial_state=True, seed=11)
     cu = inputs["cu_seqlens"]
-    gamma, inverse = gamma_and_inverse(inputs["k"][0], inputs["g"][0], inputs["beta"][0],
-                                       chunk_bounds(cu, chunk_indices(cu)))
+    gamma, inverse = gamma_and_inverse(inputs["k"][0], inputs["g"][0], inputs["beta"][0], chunk_bounds(cu))
     states, final_state, _ = chunk_states(inputs["k"][0], inputs["v"][0], gamma, inputs["beta"][0], inverse,
                                           inputs["initial_state"], cu, value_block=64)
     _, ref_state = float64_reference(inputs)
@@ -97,14 +96,13 @@ def test_chunk_states_match_fused_forward_final_state():
 
 def test_chunk_states_transition_composes():
     """S_end = M S_start + S_end|0 for the transition M of a sequence."""
-    from flashqla.hopper.chunk_plan import chunk_bounds, chunk_indices
+    from flashqla.hopper.chunk_plan import chunk_bounds
     from flashqla.hopper.chunk_states import chunk_states
     from flashqla.hopper.inverse import gamma_and_inverse
 
     inputs = make_inputs([1000, 2048], 2, 8, with_initial_state=True, seed=5)
     cu = inputs["cu_seqlens"]
-    gamma, inverse = gamma_and_inverse(inputs["k"][0], inputs["g"][0], inputs["beta"][0],
-                                       chunk_bounds(cu, chunk_indices(cu)))
+    gamma, inverse = gamma_and_inverse(inputs["k"][0], inputs["g"][0], inputs["beta"][0], chunk_bounds(cu))
     args = (inputs["k"][0], inputs["v"][0], gamma, inputs["beta"][0], inverse)
     _, zero_start, transition = chunk_states(*args, None, cu, value_block=64, store_chunk_states=False,
                                              with_transition=True)

@@ -122,14 +122,14 @@ def test_inverse_cuda_loads_k_once_and_has_safe_barriers():
 
 def flat_args(inputs):
     """gamma_and_inverse's arguments for the op's inputs: flattened k, g and beta, the chunk bounds."""
-    from flashqla.hopper.chunk_plan import chunk_bounds, chunk_indices
+    from flashqla.hopper.chunk_plan import chunk_bounds
 
     _, total, num_qk_heads, head_dim = inputs["k"].shape
     num_v_heads = inputs["v"].shape[2]
     return dict(k=inputs["k"].reshape(total, num_qk_heads, head_dim).contiguous(),
                 g=inputs["g"].reshape(total, num_v_heads).contiguous(),
                 beta=inputs["beta"].reshape(total, num_v_heads).contiguous(),
-                chunk_bounds=chunk_bounds(inputs["cu_seqlens"], chunk_indices(inputs["cu_seqlens"])))
+                chunk_bounds=chunk_bounds(inputs["cu_seqlens"]))
 
 
 def run_inverse(inputs):
