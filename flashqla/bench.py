@@ -163,16 +163,15 @@ def implementations(baselines: list[str], host_offsets: bool = True, backend: st
 
 
 def _breakdown_operands(inputs: dict, like_the_model: bool):
-    """The kernels' flattened operands for the stage timings: q, k normalised here when the op would
-    normalise them in the kernel (like_the_model), beta as given; and the norm's r of q and k
-    ([T, Hqk] each, or None)."""
+    """The kernels' flattened operands for the stage timings: q, k, v, g, beta as given, and with
+    like_the_model (the op normalises q and k in its kernels) the norm's r of q and k ([T, Hqk] each;
+    else None)."""
     from flashqla.hopper.l2norm import l2_normalized
 
     q, k, v, g, beta = (inputs[n][0] for n in ("q", "k", "v", "g", "beta"))
-    rstds = (None, None)
+    rstds = None
     if like_the_model:
-        (q, q_rstd), (k, k_rstd) = l2_normalized(q), l2_normalized(k)
-        rstds = (q_rstd.view(q.shape[:2]), k_rstd.view(k.shape[:2]))
+        rstds = tuple(l2_normalized(x)[1].view(x.shape[:2]) for x in (q, k))
     return q, k, v, g, beta, rstds
 
 
@@ -190,17 +189,17 @@ def forward_breakdown(inputs: dict, rep_ms: int, like_the_model: bool = False) -
     from flashqla.hopper.inverse import gamma_and_inverse
     from flashqla.hopper.walk_bounds import walk_bounds
 
-    q, k, v, g, beta, _ = _breakdown_operands(inputs, like_the_model)
+    q, k, v, g, beta, rstds = _breakdown_operands(inputs, like_the_model)
     h0 = inputs["initial_state"]
     cu = inputs["cu_seqlens"]
     bounds = cu.tolist()
     num_v_heads = g.shape[1]
     sm_count = torch.cuda.get_device_properties().multi_processor_count
     plan = plan_forward(cu, num_v_heads, 128, sm_count, MAX_VALUE_BLOCK)
-    gamma, inverse = gamma_and_inverse(k, g, beta, plan.chunk_bounds)
+    gamma, inverse, *_ = gamma_and_inverse(k, g, beta, plan.chunk_bounds, normalize_q=q if like_the_model else None)
 
     def walk(**stores):
-        return walk_chunks(q, k, v, gamma, beta, inverse, 128 ** -0.5, h0, cu, plan, **stores)
+        return walk_chunks(q, k, v, gamma, beta, inverse, 128 ** -0.5, h0, cu, plan, **stores, rstds=rstds)
 
     stages = {
         # uncached: the first layer of a step with new cu_seqlens (one device->host read included)
@@ -213,9 +212,9 @@ def forward_breakdown(inputs: dict, rep_ms: int, like_the_model: bool = False) -
         "walk": walk,  # walk starts included
     }
     if like_the_model:
-        # the op's: gamma and the inverse with q, k's norm in the same kernel; "l2norm" the norm unfused
-        stages["gamma_inverse_norm"] = lambda: gamma_and_inverse(inputs["k"][0], g, beta, plan.chunk_bounds,
-                                                                 normalize_q=inputs["q"][0])
+        # the op's: gamma and the inverse with the norm's r of q and k from the same kernel (the walks above
+        # apply r); "l2norm" the norm as a kernel of its own, writing q^ and k^
+        stages["gamma_inverse_norm"] = lambda: gamma_and_inverse(k, g, beta, plan.chunk_bounds, normalize_q=q)
         stages["l2norm"] = lambda: (l2_normalized(inputs["q"]), l2_normalized(inputs["k"]))
         stages["walk_keeping_products"] = lambda: walk(store_products=True)
         stages["walk_keeping_all"] = lambda: walk(store_products=True, store_chunk_states=True)
@@ -240,7 +239,7 @@ def backward_breakdown(inputs: dict, rep_ms: int, like_the_model: bool = False) 
     from flashqla.hopper.fused_forward import MAX_VALUE_BLOCK as FORWARD_MAX_VALUE_BLOCK
     from flashqla.hopper.walk_bounds import walk_bounds
 
-    q, k, v, g, beta, (q_rstd, k_rstd) = _breakdown_operands(inputs, like_the_model)
+    q, k, v, g, beta, rstds = _breakdown_operands(inputs, like_the_model)
     h0 = inputs["initial_state"]
     cu = inputs["cu_seqlens"]
     num_tokens, num_v_heads = g.shape
@@ -248,8 +247,8 @@ def backward_breakdown(inputs: dict, rep_ms: int, like_the_model: bool = False) 
     sm_count = torch.cuda.get_device_properties().multi_processor_count
     plan = plan_forward(cu, num_v_heads, 128, sm_count, MAX_VALUE_BLOCK)
     forward_plan = plan_forward(cu, num_v_heads, 128, sm_count, FORWARD_MAX_VALUE_BLOCK)
-    _, _, kept = forward(q[None], k[None], v[None], g[None], beta[None], 128 ** -0.5, h0, False, cu,
-                         keep_for_backward=True)
+    _, _, kept, *_ = forward(q[None], k[None], v[None], g[None], beta[None], 128 ** -0.5, h0, False, cu,
+                             keep_for_backward=True, normalize_qk=like_the_model)
     gamma, beta32 = kept.gamma, beta.float()
     do = torch.randn_like(v)
     dht = torch.zeros(cu.numel() - 1, num_v_heads, 128, 128, device=v.device)
@@ -258,20 +257,22 @@ def backward_breakdown(inputs: dict, rep_ms: int, like_the_model: bool = False) 
 
     def state_grads():
         return state_gradients(q, k, gamma, kept.gated_inverse, kept.scores, do, dht, 128 ** -0.5, cu, offsets,
-                               num_chunks, **walk_args)
+                               num_chunks, **walk_args, rstds=rstds)
 
     state_grad_tensor, _ = state_grads()
 
     def chunk_grads():
+        norm = {} if rstds is None else dict(q_rstd=rstds[0], k_rstd=rstds[1],
+                                             l2norm_backward=num_v_heads == num_qk_heads)
         return chunk_gradients(q, k, v, gamma, beta32, kept.inverse, kept.chunk_states, state_grad_tensor, do,
-                               128 ** -0.5, plan.chunk_bounds, q_rstd=q_rstd, k_rstd=k_rstd)
+                               128 ** -0.5, plan.chunk_bounds, **norm)
 
     dq_head = chunk_grads()[0]
     stages = {
         "state_grads": state_grads,
         "chunk_grads": chunk_grads,
         "rewalk": lambda: walk_chunks(q, k, v, gamma, beta32, kept.inverse, 128 ** -0.5, h0, cu, forward_plan,
-                                      store_chunk_states=True),
+                                      store_chunk_states=True, rstds=rstds),
     }
     if plan.max_walk_back > 0:
         stages["walk_ends"] = lambda: walk_bounds(gamma, plan.pieces, cu, ahead=True)
@@ -402,20 +403,17 @@ def compare_conv(rep_ms: int):
 
 
 def _normalised_chunk_gradient_arguments(heads, seq_lens):
-    """chunk_gradients' arguments for the model's unnormalised q, k after the L2 norm's kernel, and
-    the norm's r of q and k ([T, Hqk])."""
+    """chunk_gradients' arguments for the model's unnormalised q, k (the kernel normalises them on chip)
+    and the norm's r of q and k ([T, Hqk])."""
     from flashqla.hopper.l2norm import l2_normalized
     from flashqla.testing import chunk_gradient_arguments
 
     x = make_inputs(heads, seq_lens, like_the_model=True)
-    normalised, rstd = [], []
-    for name in ("q", "k"):
-        y, r = l2_normalized(x[name][0])
-        normalised.append(y)
-        rstd.append(r.view(x[name][0].shape[:2]))
+    rstd = [l2_normalized(x[name][0])[1].view(x[name][0].shape[:2]) for name in ("q", "k")]
     do = torch.randn(x["v"].shape[1:], generator=torch.Generator(device="cuda").manual_seed(1),
                      device="cuda").to(torch.bfloat16)
-    args = chunk_gradient_arguments(*normalised, x["v"][0], x["g"][0], x["beta"][0], do, x["cu_seqlens"])
+    args = chunk_gradient_arguments(x["q"][0], x["k"][0], x["v"][0], x["g"][0], x["beta"][0], do, x["cu_seqlens"],
+                                    normalize_qk=True)
     return args, rstd
 
 
@@ -439,7 +437,7 @@ def compare_chunk_grads_l2norm(rep_ms: int):
             return sum_over_groups(grad, num_qk_heads, torch.bfloat16)
 
         def separate():
-            dq, dk = chunk_gradients(**args)[:2]
+            dq, dk = chunk_gradients(**args, q_rstd=q_rstd, k_rstd=k_rstd, l2norm_backward=False)[:2]
             return [l2norm_backward(group_sum(grad).reshape(-1, 128), args[n].reshape(-1, 128), r.reshape(-1))
                     .view(-1, num_qk_heads, 128) for grad, n, r in ((dq, "q", q_rstd), (dk, "k", k_rstd))]
 

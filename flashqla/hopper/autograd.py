@@ -1,8 +1,9 @@
 """The "tilelang" backend's runner: the Hopper forward and backward entries joined for autograd.
 
-With use_qk_l2norm_in_kernel the q/k L2 norm is part of the Function: its forward runs inside the
-inverse's kernel (inverse.py, normalize_qk), and backward.py applies its backward, which needs only
-the norm's r (4 bytes a row) besides the q^, k^ the backward keeps anyway.
+With use_qk_l2norm_in_kernel the q/k L2 norm is part of the Function: the inverse's kernel makes its r
+(inverse.py, normalize_qk), every kernel applies r to q and k on chip, and backward.py carries the
+gradients through it; besides q and k the Function keeps only r (4 bytes a row), and q^, k^ are
+never written.
 
 The kernel modules are imported inside forward and backward: this module, and the backend
 registry that names it, import without tilelang.
@@ -33,7 +34,7 @@ def keeps_for_backward(*inputs) -> bool:
 
 
 class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
-    """Saves the inputs (q, k normalised, with their r, under `l2norm`) and, when `keep`, the forward's
+    """Saves the inputs (and under `l2norm` the norm's r of q and k) and, when `keep`, the forward's
     gamma, A~, Ab, P and (with `keep_chunk_states`) chunk states (forward.KeptForward), which the
     backward then does not recompute."""
 
@@ -46,9 +47,7 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
             q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_host=cu_seqlens_host,
             keep_for_backward=keep, keep_chunk_states=keep_chunk_states, normalize_qk=l2norm,
         )
-        rstds = ()
-        if l2norm:
-            q, k, *rstds = extras.pop()
+        rstds = extras.pop() if l2norm else ()
         ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, *rstds, *(extras[0] if keep else ()))
         ctx.l2norm = l2norm
         ctx.scale = scale

@@ -45,9 +45,10 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seq
     log_decay_threshold: how far the state-gradient walk of a piece may truncate what comes after
     it (walk_bounds.py); -inf walks every piece from its sequence end, which gives bitwise
     the gradients of one walk over the whole sequence.
-    q_rstd, k_rstd (both or neither): q and k are the outputs of the L2 norm (autograd.l2_normalized)
-    with these r, float32 [B * T * Hqk]; dq and dk are then the gradients of the norm's inputs.
-    q and k must then be contiguous (the Function saves them so).
+    q_rstd, k_rstd (both or neither): q and k are the inputs of use_qk_l2norm_in_kernel's norm and these
+    its r, float32 [B * T * Hqk] (what forward.forward(..., normalize_qk=True) returns); the gradients are
+    those of the op on q^, k^, carried through the norm to q and k. q and k must then be contiguous (the
+    Function saves them so).
     """
     reason = unsupported_inputs(q, v)
     if reason is not None:
@@ -77,9 +78,11 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seq
     beta_flat = beta.reshape(num_tokens, num_v_heads).to(torch.float32).contiguous()
 
     chunk_index, offsets = plan.chunk_index, plan.chunk_offsets
+    rstds = None if q_rstd is None else (q_rstd.view(num_tokens, num_qk_heads), k_rstd.view(num_tokens, num_qk_heads))
     if kept is None:  # run the forward again, keeping what it can: every piece in parallel
-        _, _, kept = forward(q, k, v, g, beta, scale, initial_state, False, cu_seqlens,
-                             cu_seqlens_host=cu_seqlens_host, keep_for_backward=True)
+        _, _, kept, *_ = forward(q, k, v, g, beta, scale, initial_state, False, cu_seqlens,
+                                 cu_seqlens_host=cu_seqlens_host, keep_for_backward=True,
+                                 normalize_qk=rstds is not None)
     # float16 inputs were kept float16: the kernels here read bf16
     gamma = kept.gamma
     gated_inverse, scores = kept.gated_inverse.to(torch.bfloat16), kept.scores.to(torch.bfloat16)
@@ -91,28 +94,26 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seq
         forward_plan = plan_forward(cu_seqlens, num_v_heads, HEAD_DIM, sm_count, FORWARD_MAX_VALUE_BLOCK,
                                     host_bounds=cu_seqlens_host)
         _, _, states, _, _ = walk_chunks(q_flat, k_flat, v_flat, gamma, beta_flat, inverse, scale, h0, cu_seqlens,
-                                         forward_plan, store_chunk_states=True)
+                                         forward_plan, store_chunk_states=True, rstds=rstds)
 
     if dht is None:
         dht = torch.zeros(num_sequences, num_v_heads, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=device)
     dht = dht.to(torch.float32).contiguous()
     walk = state_gradient_walk(plan, gamma, cu_seqlens, cu_seqlens_host, num_v_heads, sm_count, log_decay_threshold)
     state_grads, dh0 = state_gradients(q_flat, k_flat, gamma, gated_inverse, scores, do_flat, dht, scale,
-                                       cu_seqlens, offsets, chunk_index.shape[0], **walk)
+                                       cu_seqlens, offsets, chunk_index.shape[0], **walk, rstds=rstds)
     # The kernel's epilogues apply the norm's backward per value head: for a group of them that is
     # the same rows' work repeated, and slower than once after the group sum (bench --compare
     # chunk_grads_l2norm: 1.06-1.07x at 16/16 and 8/8, 0.93x at 16/64).
-    norm_in_kernel = q_rstd is not None and num_v_heads == num_qk_heads
-    rstds = {}
-    if norm_in_kernel:
-        rstds = {name: r.view(num_tokens, num_qk_heads) for name, r in (("q_rstd", q_rstd), ("k_rstd", k_rstd))}
-    dq_head, dk_head, dv, dg, dbeta = chunk_gradients(q_flat, k_flat, v_flat, gamma, beta_flat, inverse, states,
-                                                      state_grads, do_flat, scale, plan.chunk_bounds, **rstds)
+    norm_in_kernel = rstds is not None and num_v_heads == num_qk_heads
+    dq_head, dk_head, dv, dg, dbeta = chunk_gradients(
+        q_flat, k_flat, v_flat, gamma, beta_flat, inverse, states, state_grads, do_flat, scale, plan.chunk_bounds,
+        **({} if rstds is None else dict(q_rstd=rstds[0], k_rstd=rstds[1], l2norm_backward=norm_in_kernel)))
 
     dq, dk = (sum_over_groups(grad, num_qk_heads, q.dtype) for grad in (dq_head, dk_head))
-    if q_rstd is not None and not norm_in_kernel:
-        dq, dk = (l2norm_backward(grad.to(q.dtype).reshape(-1, HEAD_DIM), normalised.reshape(-1, HEAD_DIM), rstd)
-                  for grad, normalised, rstd in ((dq, q, q_rstd), (dk, k, k_rstd)))
+    if rstds is not None and not norm_in_kernel:
+        dq, dk = (l2norm_backward(grad.to(q.dtype).reshape(-1, HEAD_DIM), x.reshape(-1, HEAD_DIM), rstd)
+                  for grad, x, rstd in ((dq, q, q_rstd), (dk, k, k_rstd)))
     return (
         dq.view(q.shape).to(q.dtype),
         dk.view(k.shape).to(k.dtype),

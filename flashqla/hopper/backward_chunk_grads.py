@@ -33,6 +33,10 @@ Every refill is issued by one elected thread after a block-wide barrier that fol
 every product reading the buffers it overwrites, and each
 group's barrier is waited on before the first read. No buffer written by TMA shares shared memory
 with any other buffer (tests/flashqla/test_hopper_backward_chunk_grads.py checks the generated offsets).
+
+normalize_qk (the op's use_qk_l2norm_in_kernel): q and k arrive as the norm's inputs with its r per row, and
+each task normalises its q and k tiles in shared memory once they land (the l2norm kernel's rounding, so
+the same q^, k^ bits), before any product reads them.
 """
 
 import functools
@@ -83,13 +87,15 @@ def tile_sum_macros(parts: int):
     return column_partials, sum_partials
 
 
-def chunk_grads_program(l2norm_backward: bool = False):
+def chunk_grads_program(normalize_qk: bool = False, l2norm_backward: bool = False):
     """Kernel for K = V = 128, bf16 operands, float32 gamma and beta; head counts, lengths, scale
-    and the number of CTAs are run-time values. l2norm_backward: q and k are the L2 norm's outputs
-    q^, k^ and the kernel also takes their r (float32 [T, Hqk]); it writes the gradients of the norm's
-    inputs, dq = r (dq^ - q^ (q^ . dq^)) and likewise dk, per value head (the norm's backward is linear
-    in dq^, so the sum over a head group is still the caller's): what backward.py runs for the
-    op's use_qk_l2norm_in_kernel."""
+    and the number of CTAs are run-time values. normalize_qk: q and k are the L2 norm's inputs and the
+    kernel also takes their r (float32 [T, Hqk]); it normalises them on chip. l2norm_backward (with
+    normalize_qk): it also writes the gradients of the norm's inputs, dq = r (dq^ - q^ (q^ . dq^)) and
+    likewise dk, per value head (the norm's backward is linear in dq^, so the sum over a head group is
+    still the caller's); without it dq, dk are those of q^, k^."""
+    if l2norm_backward and not normalize_qk:
+        raise ValueError("chunk_grads_program: l2norm_backward needs normalize_qk (the norm's r)")
     K = V = HEAD_DIM
     BV = V
     num_v_heads = T.dynamic("num_v_heads")
@@ -117,8 +123,8 @@ def chunk_grads_program(l2norm_backward: bool = False):
     @T.macro
     def walk_tasks(q, k, v, gamma, beta, inverse, chunk_states, chunk_state_grads, do, chunk_bounds, dq_head,
                    dk_head, dv, dg, dbeta, scale, num_workers, q_rstd, k_rstd):
-        """The persistent CTA's walk over its tasks. q_rstd, k_rstd: None, or the L2 norm's r of q and k
-        [T, Hqk], whose backward the epilogues of dq and dk then apply (the kernel reads q^, k^)."""
+        """The persistent CTA's walk over its tasks. q_rstd, k_rstd: the L2 norm's r of q and k [T, Hqk] with
+        normalize_qk (else None)."""
         with T.Kernel(num_workers, threads=_THREADS) as worker:
             tx = T.get_thread_binding()
             group = num_v_heads // num_qk_heads
@@ -185,6 +191,12 @@ def chunk_grads_program(l2norm_backward: bool = False):
             row_v = T.alloc_fragment((_C,), f32)  # row sums of C x BV fragments
             row_d = T.alloc_fragment((_C,), f32)  # row sums of C x K fragments (ck: their scratch)
             row_r = T.alloc_fragment((_C,), f32)  # the L2 norm's r of the rows (l2norm_backward_rows)
+            if normalize_qk:  # r of this task's q and k rows, and (threads t < C) row t's of the next task
+                q_rstd_s = T.alloc_shared((_C,), f32)
+                k_rstd_s = T.alloc_shared((_C,), f32)
+                q_rstd_next = T.alloc_var(f32)
+                k_rstd_next = T.alloc_var(f32)
+                rstd_head = T.alloc_var("int32")  # an index's 64-bit division, held once
             gamma_next = T.alloc_var(f32)  # this thread's gamma / beta entry of the next task
             beta_next = T.alloc_var(f32)
             dg_sum = T.alloc_var(f32)  # this thread's row of dg
@@ -223,6 +235,10 @@ def chunk_grads_program(l2norm_backward: bool = False):
                 gamma_next = gamma[first_start + T.min(tx, first_length - 1), first_head]
                 beta_next = T.if_then_else(tx < first_length, beta[first_start + T.min(tx, first_length - 1),
                                                                    first_head], 0.0)
+                if normalize_qk:  # each row's own r (rows past the tensor are TMA's zeros)
+                    rstd_head = first_head // group
+                    q_rstd_next = q_rstd[T.min(first_start + tx, num_tokens - 1), rstd_head]
+                    k_rstd_next = k_rstd[T.min(first_start + tx, num_tokens - 1), rstd_head]
 
             for i in T.serial(my_tasks):
                 task = worker + i * num_workers
@@ -242,6 +258,9 @@ def chunk_grads_program(l2norm_backward: bool = False):
                 if tx < _C:
                     gam_s[tx] = gamma_next
                     b_s[tx] = beta_next
+                    if normalize_qk:
+                        q_rstd_s[tx] = q_rstd_next
+                        k_rstd_s[tx] = k_rstd_next
                 T.sync_threads()
                 for t in T.Parallel(_C):
                     dec_s[t] = T.exp(gam_s[t])
@@ -253,6 +272,12 @@ def chunk_grads_program(l2norm_backward: bool = False):
                 # zeros past the tensor); masked rows of Gm and beta and of dgamma keep them out.
                 T.mbarrier_wait_parity(loads_q[0], i % 2)
                 T.mbarrier_wait_parity(loads_k[0], i % 2)
+                if normalize_qk:  # q^ = q r, k^ = k r in place, rounded as the l2norm kernel rounds
+                    for t, d in T.Parallel(_C, K):
+                        q_s[t, d] = T.cast(T.cast(q_s[t, d], f32) * q_rstd_s[t], op)
+                        k_s[t, d] = T.cast(T.cast(k_s[t, d], f32) * k_rstd_s[t], op)
+                    T.fence_proxy_async()
+                    T.sync_threads()
                 T.gemm(q_s, k_s, qk, transpose_B=True, clear_accum=True)
                 for t, s in T.Parallel(_C, _C):
                     pm_s[t, s] = T.cast(scale * qk[t, s] * gm[t, s], op)
@@ -375,6 +400,10 @@ def chunk_grads_program(l2norm_backward: bool = False):
                         gamma_next = gamma[next_start + T.min(tx, next_length - 1), next_head]
                         beta_next = T.if_then_else(tx < next_length,
                                                    beta[next_start + T.min(tx, next_length - 1), next_head], 0.0)
+                        if normalize_qk:
+                            rstd_head = next_head // group
+                            q_rstd_next = q_rstd[T.min(next_start + tx, num_tokens - 1), rstd_head]
+                            k_rstd_next = k_rstd[T.min(next_start + tx, num_tokens - 1), rstd_head]
 
                 # dGm terms give dgamma (row sums minus column sums): the column sums from cc_s, the
                 # row sums as the column sums of its transpose.
@@ -401,7 +430,7 @@ def chunk_grads_program(l2norm_backward: bool = False):
                 T.wgmma_gemm(inv_s, pm_s, t1, transpose_A=True, clear_accum=True)
                 T.wait_wgmma(2)
                 T.warpgroup_fence_operand(dq, num_regs=_WIDE)
-                if q_rstd is not None:
+                if l2norm_backward:
                     l2norm_backward_rows(dq, q_s, q_rstd, start, head // group, ck, row_d, row_r)
                 for t, d in T.Parallel(_C, K):
                     if t < length:
@@ -438,7 +467,7 @@ def chunk_grads_program(l2norm_backward: bool = False):
                 T.wgmma_gemm(ab_s, k_s, dk, transpose_A=True)
                 T.wait_wgmma(0)
                 T.warpgroup_fence_operand(dk, num_regs=_WIDE)
-                if k_rstd is not None:
+                if l2norm_backward:
                     l2norm_backward_rows(dk, k_s, k_rstd, start, head // group, ck, row_d, row_r)
 
                 # q, k and A~ are read for the last time above: load the next task's.
@@ -480,9 +509,9 @@ def chunk_grads_program(l2norm_backward: bool = False):
                 # The next task overwrites the small shared arrays read just above.
                 T.sync_threads()
 
-    if l2norm_backward:
+    if normalize_qk:
         @T.prim_func
-        def chunk_grads_l2norm_kernel(
+        def chunk_grads_normalizing_kernel(
             q: T.Tensor((num_tokens, num_qk_heads, K), op),
             k: T.Tensor((num_tokens, num_qk_heads, K), op),
             v: T.Tensor((num_tokens, num_v_heads, V), op),
@@ -506,7 +535,7 @@ def chunk_grads_program(l2norm_backward: bool = False):
             walk_tasks(q, k, v, gamma, beta, inverse, chunk_states, chunk_state_grads, do, chunk_bounds, dq_head,
                        dk_head, dv, dg, dbeta, scale, num_workers, q_rstd, k_rstd)
 
-        return chunk_grads_l2norm_kernel
+        return chunk_grads_normalizing_kernel
 
     @T.prim_func
     def chunk_grads_kernel(
@@ -535,21 +564,22 @@ def chunk_grads_program(l2norm_backward: bool = False):
 
 
 @functools.lru_cache(maxsize=None)
-def compile_chunk_grads(l2norm_backward: bool = False):
-    return compile_for_hopper(chunk_grads_program(l2norm_backward), fast_math=True)
+def compile_chunk_grads(normalize_qk: bool = False, l2norm_backward: bool = False):
+    return compile_for_hopper(chunk_grads_program(normalize_qk, l2norm_backward), fast_math=True)
 
 
 def chunk_gradients(q, k, v, gamma, beta, inverse, chunk_states, chunk_state_grads, do, scale, chunk_bounds,
-                    num_workers: int | None = None, q_rstd=None, k_rstd=None):
+                    num_workers: int | None = None, q_rstd=None, k_rstd=None, l2norm_backward: bool = True):
     """Run the kernel on flattened inputs; returns (dq, dk per value head, dv, dg, dbeta).
 
     q, k: [T, Hqk, 128] bf16; v, do: [T, Hv, 128] bf16; gamma (chunk-local cumsum), beta: [T, Hv] fp32;
     inverse: [T, Hv, 64] bf16; chunk_states (entering each chunk), chunk_state_grads (leaving it):
     [num_chunks, Hv, 128, 128] bf16 in chunk order; chunk_bounds: int32 [num_chunks, 2], every chunk's
     (first token, number of tokens) (chunk_plan.chunk_bounds, ForwardPlan.chunk_bounds); num_workers
-    (CTAs) defaults to the SM count. q_rstd, k_rstd (float32 [T, Hqk], both or neither): q, k are L2-normalised
-    (flashqla/hopper/l2norm.py) with these r, and dq, dk come back as the gradients of the
-    unnormalised inputs (`chunk_grads_program(l2norm_backward=True)`).
+    (CTAs) defaults to the SM count. q_rstd, k_rstd (float32 [T, Hqk], both or neither): q, k are the inputs of
+    the L2 norm (flashqla/hopper/l2norm.py) with these r, and the gradients are those of q^, k^'s; dq, dk then
+    come back as the gradients of q, k, or with l2norm_backward=False of q^, k^ (whose sum over a head group
+    the caller takes through l2norm.l2norm_backward).
     dq, dk, dv: bf16 [T, Hv, 128]; dg, dbeta: float32 [T, Hv].
     """
     num_tokens, _, head_dim = q.shape
@@ -571,5 +601,5 @@ def chunk_gradients(q, k, v, gamma, beta, inverse, chunk_states, chunk_state_gra
         if q_rstd is None:
             compile_chunk_grads()(*args)
         else:
-            compile_chunk_grads(l2norm_backward=True)(*args, q_rstd, k_rstd)
+            compile_chunk_grads(True, l2norm_backward)(*args, q_rstd, k_rstd)
     return dq_head, dk_head, dv, dg, dbeta

@@ -13,6 +13,10 @@ chunk), loads pipelined two chunks ahead, stores the gradient
 leaving every chunk (dS1, bf16) for the chunk-parallel kernel (backward_chunk_grads.py), and
 writes dh0. Columns of dS are independent, so V blocks add parallelism at no extra cost on the
 critical path.
+
+normalize_qk: q and k are the inputs of use_qk_l2norm_in_kernel's norm, with its r per row; r joins the
+row factors already beside q and k (scale D on dO's rows for Q^T, E on K dS1's rows, D on dU's rows for
+K^T), so the walk is that of q^ and k^ without reading them.
 """
 
 import functools
@@ -30,12 +34,13 @@ _WARPGROUPS = 2
 _STAGES = 3  # T.Pipelined's load stages (up to ~216 KB of shared memory at a V block of 64)
 
 
-def state_grads_program(value_block: int = 32, pieces: bool = False):
+def state_grads_program(value_block: int = 32, pieces: bool = False, normalize_qk: bool = False):
     """pieces=False: one CTA per (V block, head, sequence).
     pieces=True (what backward.py runs where the forward's plan cut a sequence): one CTA per (V block,
     head, piece of a sequence); the CTA starts at walk_end[piece, head] (the sequence end, from dht,
     or a chunk boundary after the piece, from zero: a decay-truncated warm-up), stores dS only for
-    the piece's own chunks, and writes dh0 only when the piece starts its sequence."""
+    the piece's own chunks, and writes dh0 only when the piece starts its sequence.
+    normalize_qk: q_rstd, k_rstd hold the L2 norm's r of q's and k's rows (else they are not read)."""
     K = V = HEAD_DIM
     BV = value_block
     num_value_blocks = V // BV
@@ -45,8 +50,13 @@ def state_grads_program(value_block: int = 32, pieces: bool = False):
     num_sequences = T.dynamic("num_sequences")
     num_chunks = T.dynamic("num_chunks")
     num_pieces = T.dynamic("num_pieces")
+    rstd_rows = T.dynamic("rstd_rows")
     op = "bfloat16"
     f32 = "float32"
+
+    def times_rstd(x, rstd_s, t):
+        """x times the L2 norm's r of row t (x itself without normalize_qk)."""
+        return x * rstd_s[t] if normalize_qk else x
 
     @T.prim_func
     def state_grads_kernel(
@@ -63,6 +73,8 @@ def state_grads_program(value_block: int = 32, pieces: bool = False):
         dh0: T.Tensor((num_sequences, num_v_heads, K, V), f32),
         piece_table: T.Tensor((num_pieces, PIECE_FIELDS), "int32"),
         walk_end: T.Tensor((num_pieces, num_v_heads), "int32"),
+        q_rstd: T.Tensor((rstd_rows, num_qk_heads), f32),
+        k_rstd: T.Tensor((rstd_rows, num_qk_heads), f32),
         scale: T.float32,
     ):
         with T.Kernel(num_value_blocks, num_v_heads, num_pieces if pieces else num_sequences,
@@ -89,6 +101,11 @@ def state_grads_program(value_block: int = 32, pieces: bool = False):
             du_s = T.alloc_shared((_C, BV), op)
             dog_s = T.alloc_shared((_C, BV), op)
             gam_s = T.alloc_shared((_C,), f32)
+            q_rstd_s = T.alloc_shared((_C,), f32) if normalize_qk else None
+            k_rstd_s = T.alloc_shared((_C,), f32) if normalize_qk else None
+            if normalize_qk:  # held in a variable: inlined into the r loads' indices it is a 64-bit division
+                rstd_head = T.alloc_var("int32")
+                rstd_head = qk_head
 
             ds = T.alloc_fragment((K, BV), f32)
             d_delta = T.alloc_fragment((_C, BV), f32)
@@ -120,6 +137,10 @@ def state_grads_program(value_block: int = 32, pieces: bool = False):
                 # Padded rows repeat the last gamma, so e^{gamma_C} is the decay over the real tokens.
                 for t in T.Parallel(_C):
                     gam_s[t] = gamma[start + T.min(t, last), head]
+                if normalize_qk:  # each row's own r (rows past the tensor are zeros)
+                    for t in T.Parallel(_C):
+                        q_rstd_s[t] = q_rstd[T.min(start + t, num_tokens - 1), rstd_head]
+                        k_rstd_s[t] = k_rstd[T.min(start + t, num_tokens - 1), rstd_head]
                 for t, s in T.Parallel(_C, _C):
                     pm_m_s[t, s] = T.if_then_else(t <= last, pm_s[t, s], T.cast(0, op))
 
@@ -132,17 +153,18 @@ def state_grads_program(value_block: int = 32, pieces: bool = False):
                     T.copy(ds_s, chunk_state_grads[first_chunk + chunk, head, 0:K, v0:v0 + BV])
                 for t, d in T.Parallel(_C, BV):
                     dog_s[t, d] = T.if_then_else(
-                        t <= last, T.cast(scale * T.exp(gam_s[t]) * T.cast(do_s[t, d], f32), op), T.cast(0, op))
+                        t <= last, T.cast(times_rstd(scale * T.exp(gam_s[t]), q_rstd_s, t) * T.cast(do_s[t, d], f32), op),
+                        T.cast(0, op))
 
                 T.gemm(k_s, ds_s, d_delta, clear_accum=True)
                 for t, d in T.Parallel(_C, BV):
-                    d_delta[t, d] = d_delta[t, d] * T.exp(gam_s[_C - 1] - gam_s[t])
+                    d_delta[t, d] = d_delta[t, d] * times_rstd(T.exp(gam_s[_C - 1] - gam_s[t]), k_rstd_s, t)
                 T.gemm(pm_m_s, do_s, d_delta, transpose_A=True)
                 for t, d in T.Parallel(_C, BV):
                     d_delta_s[t, d] = T.if_then_else(t <= last, T.cast(d_delta[t, d], op), T.cast(0, op))
                 T.gemm(ab_s, d_delta_s, dw, transpose_A=True, clear_accum=True)
                 for t, d in T.Parallel(_C, BV):
-                    du_s[t, d] = T.cast(-T.exp(gam_s[t]) * dw[t, d], op)
+                    du_s[t, d] = T.cast(times_rstd(-T.exp(gam_s[t]), k_rstd_s, t) * dw[t, d], op)
                 for i, j in T.Parallel(K, BV):
                     ds[i, j] = ds[i, j] * T.exp(gam_s[_C - 1])
                 T.gemm(q_s, dog_s, ds, transpose_A=True)
@@ -158,12 +180,13 @@ def state_grads_program(value_block: int = 32, pieces: bool = False):
 
 
 @functools.lru_cache(maxsize=None)
-def compile_state_grads(value_block: int = 32, pieces: bool = False):
-    return compile_for_hopper(state_grads_program(value_block, pieces), fast_math=True)
+def compile_state_grads(value_block: int = 32, pieces: bool = False, normalize_qk: bool = False):
+    return compile_for_hopper(state_grads_program(value_block, pieces, normalize_qk), fast_math=True)
 
 
 def state_gradients(q, k, gamma, gated_inverse, scores, do, dht, scale, cu_seqlens, offsets, num_chunks,
-                    value_block, pieces: torch.Tensor | None = None, walk_end: torch.Tensor | None = None):
+                    value_block, pieces: torch.Tensor | None = None, walk_end: torch.Tensor | None = None,
+                    rstds: tuple | None = None):
     """(dS leaving every chunk, bf16 [num_chunks, Hv, 128, 128]; dh0, float32 [N, Hv, 128, 128]).
 
     q, k: [T, Hqk, 128] bf16; gamma (chunk-local cumsum): [T, Hv] fp32; gated_inverse (Ab), scores
@@ -171,6 +194,8 @@ def state_gradients(q, k, gamma, gated_inverse, scores, do, dht, scale, cu_seqle
     dht: [N, Hv, 128, 128] fp32; cu_seqlens, offsets: int32 [N + 1].
     pieces, walk_end: a forward plan's pieces (every sequence covered by one or more) and
     their walk_bounds(ahead=True); both None walks every sequence whole.
+    rstds: (q_rstd, k_rstd), float32 [T, Hqk], when q and k are the inputs of use_qk_l2norm_in_kernel's
+    norm and these its r: the gradients are then those of the walk of q^, k^.
     """
     if (pieces is None) != (walk_end is None):
         raise ValueError("state_gradients: pass pieces and walk_end together, or neither")
@@ -182,6 +207,10 @@ def state_gradients(q, k, gamma, gated_inverse, scores, do, dht, scale, cu_seqle
     if not with_pieces:  # placeholders, unread by the whole-sequence kernel
         pieces = torch.zeros(1, PIECE_FIELDS, dtype=torch.int32, device=q.device)
         walk_end = torch.zeros(1, num_v_heads, dtype=torch.int32, device=q.device)
-    compile_state_grads(value_block, with_pieces)(
-        q, k, gamma, gated_inverse, scores, do, dht, cu_seqlens, offsets, grads, dh0, pieces, walk_end, float(scale))
+    normalize_qk = rstds is not None
+    if not normalize_qk:  # unread
+        rstds = (torch.empty(1, q.shape[1], dtype=torch.float32, device=q.device),) * 2
+    compile_state_grads(value_block, with_pieces, normalize_qk)(
+        q, k, gamma, gated_inverse, scores, do, dht, cu_seqlens, offsets, grads, dh0, pieces, walk_end, *rstds,
+        float(scale))
     return grads, dh0

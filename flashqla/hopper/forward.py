@@ -14,7 +14,7 @@ import torch
 from flashqla.hopper.chunk_plan import ForwardPlan, device_sm_count, flat_cu_seqlens, plan_forward
 from flashqla.hopper.common import DEFAULT_LOG_DECAY_THRESHOLD, unsupported_inputs
 from flashqla.hopper.fused_forward import MAX_VALUE_BLOCK, fused_forward
-from flashqla.hopper.inverse import NormalizedQK, gamma_and_inverse
+from flashqla.hopper.inverse import gamma_and_inverse
 from flashqla.hopper.walk_bounds import walk_bounds
 
 
@@ -35,7 +35,7 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
             log_decay_threshold: float = DEFAULT_LOG_DECAY_THRESHOLD, cu_seqlens_host: list[int] | None = None,
             keep_for_backward: bool = False, keep_chunk_states: bool = True, normalize_qk: bool = False):
     """(o, final_state or None) for q, k [B, T, Hqk, 128], v [B, T, Hv, 128], g, beta [B, T, Hv], with a
-    KeptForward next when keep_for_backward and an inverse.NormalizedQK last when normalize_qk.
+    KeptForward next when keep_for_backward and (q_rstd, k_rstd) last when normalize_qk.
 
     log_decay_threshold: how far a piece of a split sequence may truncate the history it rebuilds
     its entering state from (walk_bounds.py); -inf never truncates.
@@ -44,8 +44,9 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
     keep_for_backward: also return a KeptForward, which `backward.backward(..., kept=...)` takes
     instead of recomputing the inverse, the products and the chunk states; keep_chunk_states=False
     leaves the states out of it (T * Hv * 512 bytes).
-    normalize_qk: L2-normalise q and k (use_qk_l2norm_in_kernel) inside the inverse's kernel; the
-    NormalizedQK has q^, k^ in q's shape and their r flat (float32 [B * T * Hqk]), which the backward takes.
+    normalize_qk: the recurrence of L2-normalised q and k (use_qk_l2norm_in_kernel): the inverse's kernel
+    makes the norm's r (float32 [B * T * Hqk] each, returned for the backward) and the kernels apply it to q
+    and k on chip; q^ and k^ are never written.
     """
     reason = unsupported_inputs(q, v)
     if reason is not None:
@@ -71,29 +72,28 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
 
     plan = plan_forward(cu_seqlens, num_v_heads, head_dim, device_sm_count(q.device), MAX_VALUE_BLOCK,
                         host_bounds=cu_seqlens_host)
-    gamma, inverse, *normalized = gamma_and_inverse(
+    gamma, inverse, *rstds = gamma_and_inverse(
         k_flat, g.reshape(num_tokens, num_v_heads).contiguous(), beta_flat, plan.chunk_bounds,
         normalize_q=q_flat if normalize_qk else None)
-    if normalize_qk:
-        q_flat, k_flat, q_rstd, k_rstd = normalized[0]
-        normalized = [NormalizedQK(q_flat.view(q.shape), k_flat.view(k.shape), q_rstd.view(-1), k_rstd.view(-1))]
+    rstds = rstds[0] if normalize_qk else None
     h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
     o, final_state, chunk_states, gated_inverse, scores = walk_chunks(
         q_flat, k_flat, v_flat, gamma, beta_flat, inverse, scale, h0, cu_seqlens, plan, log_decay_threshold,
-        store_chunk_states=keep_for_backward and keep_chunk_states, store_products=keep_for_backward)
+        store_chunk_states=keep_for_backward and keep_chunk_states, store_products=keep_for_backward, rstds=rstds)
     o = o.view(batch_size, seq_len, num_v_heads, head_dim)
     final_state = final_state if output_final_state else None
     kept = [KeptForward(gamma, gated_inverse, scores, inverse, chunk_states)] if keep_for_backward else []
-    return o, final_state, *kept, *normalized
+    flat_rstds = [tuple(r.view(-1) for r in rstds)] if normalize_qk else []
+    return o, final_state, *kept, *flat_rstds
 
 
 def walk_chunks(q_flat, k_flat, v_flat, gamma, beta_flat, inverse, scale, h0, cu_seqlens, plan: ForwardPlan,
                 log_decay_threshold: float = DEFAULT_LOG_DECAY_THRESHOLD, store_chunk_states: bool = False,
-                store_products: bool = False):
+                store_products: bool = False, rstds: tuple | None = None):
     """Steps 3-4 on flattened inputs ([T, H, 128]; h0 float32 or None): the warm-up starts of the
     plan's pieces, then the fused walk. (o, final_state, chunk states, Ab, P; each of the last three
-    None unless stored)."""
+    None unless stored). rstds: (q_rstd, k_rstd) [T, Hqk] when q and k are the L2 norm's inputs."""
     walk = walk_bounds(gamma, plan.pieces, cu_seqlens, ahead=False, log_decay_threshold=log_decay_threshold)
     return fused_forward(q_flat, k_flat, v_flat, gamma, beta_flat, inverse, scale, h0, cu_seqlens, plan.value_block,
                          plan.pieces, walk, store_chunk_states=store_chunk_states, store_products=store_products,
-                         offsets=plan.chunk_offsets, num_chunks=plan.chunk_index.shape[0])
+                         offsets=plan.chunk_offsets, num_chunks=plan.chunk_index.shape[0], rstds=rstds)

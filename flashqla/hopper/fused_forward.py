@@ -37,8 +37,13 @@ the tensor). Ab and P are lower triangular, so valid rows never read those colum
 E = 0 and gamma clamped to the sequence's last value, so they never reach valid rows or the state,
 and their outputs are not stored.
 
+normalize_qk (the op's use_qk_l2norm_in_kernel): q and k arrive as given, with the L2 norm's r of every row
+(inverse.py makes r). Every product with q or k has a diagonal factor beside it already, so r joins that
+factor and q^, k^ are never written: r_q the rows of P and of O's state term, r_k the columns of P and of
+-Ab D and E's rows in the state update.
+
 Head counts, lengths and the scale are run-time values: one compiled kernel per (V block, dtypes,
-what is stored).
+what is stored, normalize_qk).
 """
 
 import functools
@@ -78,14 +83,17 @@ _ROLE_LEADERS = {"state": 0, "delta": WARPGROUP, "output": 2 * WARPGROUP, "store
 
 def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype: str = "float32",
                                  head_dim: int = HEAD_DIM, store_chunk_states: bool = False,
-                                 store_products: bool = False, record_timeline: bool = False):
-    """record_timeline: also write the clock at every TIMELINE_EVENTS point (a diagnostic: same outputs)."""
+                                 store_products: bool = False, record_timeline: bool = False,
+                                 normalize_qk: bool = False):
+    """record_timeline: also write the clock at every TIMELINE_EVENTS point (a diagnostic: same outputs).
+    normalize_qk: q and k are the L2 norm's inputs, q_rstd and k_rstd its r (else they are not read)."""
     num_tokens = T.dynamic("num_tokens")
     num_sequences = T.dynamic("num_sequences")
     num_pieces = T.dynamic("num_pieces")
     num_chunks = T.dynamic("num_chunks")
     product_rows = T.dynamic("product_rows")
     timeline_ctas = T.dynamic("timeline_ctas")
+    rstd_rows = T.dynamic("rstd_rows")
     num_v_heads = T.dynamic("num_v_heads")
     num_qk_heads = T.dynamic("num_qk_heads")
     K = head_dim
@@ -105,6 +113,13 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
             if T.get_thread_binding() == _ROLE_LEADERS[role] and c < TIMELINE_CHUNKS:
                 timeline[cta.index, list(TIMELINE_EVENTS).index(role), c,
                          TIMELINE_EVENTS[role].index(event)] = T.call_extern("int64", "clock64")
+
+    def times_q_rstd(x, sh, stage, t):
+        """x times the L2 norm's r of row t of the stage's q tile (x itself without normalize_qk)."""
+        return x * sh.q_rstd[stage, t] if normalize_qk else x
+
+    def times_k_rstd(x, sh, stage, t):
+        return x * sh.k_rstd[stage, t] if normalize_qk else x
 
     # Each role is a macro: written inline, the branches nest deeper than Python allows.
     @T.macro
@@ -160,7 +175,7 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
             for t in T.Parallel(_C):
                 sh.row_decay[stage, t] = T.exp2(sh.gamma[stage, t])
                 sh.end_decay[stage, t] = T.if_then_else(
-                    t <= last, T.exp2(sh.gamma[stage, _C - 1] - sh.gamma[stage, t]), 0.0)
+                    t <= last, times_k_rstd(T.exp2(sh.gamma[stage, _C - 1] - sh.gamma[stage, t]), sh, stage, t), 0.0)
             T.barrier_arrive(sh.decays_ready[stage])
             T.barrier_wait(sh.decays_ready[stage], (c // 2) % 2)
             stamp(timeline, cta, "delta", c, "decays")
@@ -169,7 +184,7 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
             # every element first, the causal mask after: the loads are then unconditional, so each thread
             # reads each gamma and beta it needs once (a masked expression loads under the mask, element by element)
             for t, s in T.Parallel(_C, _C):
-                decayed_ab[t, s] = -sh.row_decay[stage, t] * sh.beta[stage, s] * decayed_ab[t, s]
+                decayed_ab[t, s] = -sh.row_decay[stage, t] * times_k_rstd(sh.beta[stage, s], sh, stage, s) * decayed_ab[t, s]
             for t, s in T.Parallel(_C, _C):
                 decayed_ab[t, s] = T.Select(s <= t, decayed_ab[t, s], T.cast(0, dtype))
             stamp(timeline, cta, "delta", c, "neg_ab_d")
@@ -221,7 +236,8 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
             # gamma loads behind it (the compiler cannot tell the buffers apart: 3.3k cycles of a 7k chunk).
             # Every element first, the causal mask after, so the loads are unconditional. ab takes qk's layout.
             for t, s in T.Parallel(_C, _C):
-                qk[t, s] = T.exp2(sh.gamma[stage, t] - sh.gamma[stage, s]) * cta.scale * qk[t, s]
+                qk[t, s] = T.exp2(sh.gamma[stage, t] - sh.gamma[stage, s]) * times_k_rstd(
+                    times_q_rstd(cta.scale, sh, stage, t), sh, stage, s) * qk[t, s]
                 ab[t, s] = T.exp2(sh.gamma[stage, t] - sh.gamma[stage, s]) * sh.beta[stage, s] * ab[t, s]
             for t, s in T.Parallel(_C, _C):
                 qk[t, s] = T.Select(s <= t, qk[t, s], 0.0)
@@ -245,7 +261,7 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
             T.barrier_wait(sh.decays_ready[stage], (c // 2) % 2)
             stamp(timeline, cta, "output", c, "decays")
             for t, j in T.Parallel(_C, BV):
-                out[t, j] = out[t, j] * (sh.row_decay[stage, t] * cta.scale)
+                out[t, j] = out[t, j] * (sh.row_decay[stage, t] * times_q_rstd(cta.scale, sh, stage, t))
             T.barrier_wait(sh.delta_ready[stage], (c // 2) % 2)
             stamp(timeline, cta, "output", c, "delta_ready")
             T.gemm(sh.p[stage, :, :], sh.delta, out)
@@ -261,13 +277,20 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
             T.barrier_arrive(sh.tiles_free[stage])
 
     @T.macro
-    def load_qk(sh, cta, q, k):
+    def load_qk(sh, cta, q, k, q_rstd_rows, k_rstd_rows):
+        if normalize_qk:  # held in a variable: inlined into the r loads' indices it is a 64-bit division
+            qk_head = T.alloc_var("int32")
+            qk_head = cta.qk_head
         for c in T.serial(cta.n_chunks):
             stage = c % 2
             left = cta.walk + c * _C
             T.barrier_wait(sh.tiles_free[stage], (c // 2 + 1) % 2)
             T.tma_copy(q[left:left + _C, cta.qk_head, 0:K], sh.q[stage, :, :], barrier=sh.tiles_full[stage])
             T.tma_copy(k[left:left + _C, cta.qk_head, 0:K], sh.k[stage, :, :], barrier=sh.tiles_full[stage])
+            if normalize_qk:  # each row's own r (rows past the tensor are TMA's zeros)
+                for t in T.Parallel(_C):
+                    sh.q_rstd[stage, t] = q_rstd_rows[T.min(left + t, num_tokens - 1), qk_head]
+                    sh.k_rstd[stage, t] = k_rstd_rows[T.min(left + t, num_tokens - 1), qk_head]
             T.barrier_arrive(sh.tiles_full[stage])
 
     @T.macro
@@ -359,6 +382,8 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
         gated_inverse: T.Tensor((product_rows, num_v_heads, _C), dtype),
         scores: T.Tensor((product_rows, num_v_heads, _C), dtype),
         timeline: T.Tensor((timeline_ctas, len(TIMELINE_EVENTS), TIMELINE_CHUNKS, _TIMELINE_SLOTS), "int64"),
+        q_rstd_rows: T.Tensor((rstd_rows, num_qk_heads), "float32"),
+        k_rstd_rows: T.Tensor((rstd_rows, num_qk_heads), "float32"),
         scale: T.float32,
         use_initial_state: T.int32,
     ):
@@ -383,6 +408,8 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
                 p=T.alloc_shared((2, _C, _C), dtype),
                 row_decay=T.alloc_shared((2, _C), "float32"),
                 end_decay=T.alloc_shared((2, _C), "float32"),
+                q_rstd=T.alloc_shared((2, _C), "float32") if normalize_qk else None,
+                k_rstd=T.alloc_shared((2, _C), "float32") if normalize_qk else None,
                 # Single: each has a *_free barrier its next writer waits on (E Delta's: state_ready).
                 state=T.alloc_shared((K, BV), dtype),
                 delta=T.alloc_shared((_C, BV), dtype),
@@ -415,7 +442,7 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
             else:
                 T.set_max_nreg(producer_registers, 0)
                 if tx < 3 * WARPGROUP + 32:
-                    load_qk(sh, cta, q, k)
+                    load_qk(sh, cta, q, k, q_rstd_rows, k_rstd_rows)
                 elif tx < 3 * WARPGROUP + 64:
                     load_v_beta(sh, cta, v, beta)
                 elif tx < 3 * WARPGROUP + 96:
@@ -429,9 +456,10 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
 @functools.lru_cache(maxsize=None)
 def compile_fused_forward(value_block: int, dtype: str = "bfloat16", beta_dtype: str = "float32",
                                  head_dim: int = HEAD_DIM, store_chunk_states: bool = False,
-                                 store_products: bool = False, record_timeline: bool = False):
+                                 store_products: bool = False, record_timeline: bool = False,
+                                 normalize_qk: bool = False):
     program = fused_forward_program(value_block, dtype, beta_dtype, head_dim, store_chunk_states,
-                                           store_products, record_timeline)
+                                           store_products, record_timeline, normalize_qk)
     return compile_for_hopper(program, fast_math=True)
 
 
@@ -440,7 +468,7 @@ def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma: torc
                          cu_seqlens: torch.Tensor, value_block: int, pieces: torch.Tensor, walk_start: torch.Tensor,
                          store_chunk_states: bool = False, store_products: bool = False,
                          offsets: torch.Tensor | None = None, num_chunks: int | None = None,
-                         timeline: torch.Tensor | None = None):
+                         timeline: torch.Tensor | None = None, rstds: tuple | None = None):
     """(o, final_state, chunk_states or None, gated_inverse or None, scores or None) on flattened inputs.
 
     q, k: [T, Hqk, K]; v: [T, Hv, V]; gamma (fp32 chunk-local cumsum), beta: [T, Hv]; inverse: the
@@ -452,6 +480,8 @@ def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma: torc
     store_products: also return Ab and P, [T, Hv, 64] each in v's dtype, which the backward reads.
     timeline: int64 [CTAs, 4, TIMELINE_CHUNKS, slots] (timeline_shape) to fill with the clock at each role's
     TIMELINE_EVENTS (the kernel built with record_timeline; tools/walk_timeline.py). Outputs are unchanged.
+    rstds: (q_rstd, k_rstd), float32 [T, Hqk] each, when q and k are the inputs of use_qk_l2norm_in_kernel's
+    norm and these its r (inverse.gamma_and_inverse(normalize_q=...)); the walk is then that of q^, k^.
     """
     num_tokens, num_qk_heads, head_dim = k.shape
     num_v_heads = v.shape[1]
@@ -482,9 +512,11 @@ def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma: torc
                              f"{list(timeline.shape)}")
         clock = timeline
     kernel = compile_fused_forward(value_block, dtype_name(v), dtype_name(beta), head_dim,
-                                          store_chunk_states, store_products, timeline is not None)
+                                          store_chunk_states, store_products, timeline is not None, rstds is not None)
+    if rstds is None:
+        rstds = (_unread_rstds(device, num_qk_heads),) * 2
     kernel(q, k, v, gamma, beta, inverse, initial_state, cu_seqlens, offsets, pieces, walk_start, o, final_state,
-           states, gated_inverse, scores, clock, float(scale), int(use_initial_state))
+           states, gated_inverse, scores, clock, *rstds, float(scale), int(use_initial_state))
     return (o, final_state, states if store_chunk_states else None,
             gated_inverse if store_products else None, scores if store_products else None)
 
@@ -494,6 +526,12 @@ def _unrecorded_timeline(device: torch.device) -> torch.Tensor:
     """The timeline argument of the walk that records none: one CTA's worth, never written, made once
     per device rather than on every call."""
     return torch.empty(1, len(TIMELINE_EVENTS), TIMELINE_CHUNKS, _TIMELINE_SLOTS, dtype=torch.int64, device=device)
+
+
+@functools.cache
+def _unread_rstds(device: torch.device, num_qk_heads: int) -> torch.Tensor:
+    """The r arguments of the walk without normalize_qk: one row, never read."""
+    return torch.empty(1, num_qk_heads, dtype=torch.float32, device=device)
 
 
 def timeline_shape(num_pieces: int, num_v_heads: int, value_block: int) -> tuple[int, int, int, int]:

@@ -23,17 +23,16 @@ T.Pipelined loop, so there is no producer to race with. Per-thread work is kept 
 of 4 warps an SM issue on about half the cycles): k's tile by TMA, four sums a thread in step 3
 (docs/kernel-notes.md, twenty-fifth session).
 
-normalize_qk (the op's use_qk_l2norm_in_kernel): the same kernel L2-normalises q and k first and writes q^,
-k^ and their r, which the walk and the backward read. The group's first member normalises q from global
-memory while k's tile loads; every member normalises its k tile in shared memory before K K^T. The
-l2norm kernel's arithmetic in its order, so the same bits; one launch and one read of k fewer than the norm
-kernel twice, 1.12-1.21x (docs/kernel-notes.md, twenty-sixth session).
+normalize_qk (the op's use_qk_l2norm_in_kernel): the same kernel makes the L2 norm's r of q and k and
+writes only r (4 bytes a row): the walk and the backward read q and k as given and apply r where they
+enter products, so q^ and k^ never go through memory. The group's first member reads q from global memory
+while k's tile loads; every member normalises its k tile in shared memory before K K^T (A~ is that of k^).
+The l2norm kernel's arithmetic in its order, so the same r and k^ bits (docs/kernel-notes.md, twenty-sixth
+and twenty-seventh sessions).
 """
 
 import functools
 from types import SimpleNamespace
-from typing import NamedTuple
-
 import tilelang.language as T
 import torch
 
@@ -62,12 +61,10 @@ def inverse_program(head_dim: int = HEAD_DIM, dtype: str = "bfloat16", beta_dtyp
     qk_shape = (num_tokens, num_qk_heads, head_dim)
 
     @T.macro
-    def normalize_rows(values, rstd, thread, start, length, qk_head, normalized, normalized_rstd, write):
-        """values (this thread's 8 elements of rows thread // 16 + 8 p of a chunk's 64) <- y = x r, rstd[p]
-        <- their row's r; with `write`, rows < length of y to normalized [T, Hqk, K] and r to
-        normalized_rstd [T, Hqk]. The l2norm kernel's arithmetic in its order (sequential squares, then
-        the shuffles), so the same bits as it."""
-        col = thread % _NORM_LANES * _NORM_VECTOR
+    def row_rstds(values, rstd, thread, start, length, qk_head, rstd_out, write):
+        """rstd[p] <- r of this thread's pass-p row (values: its 8 elements of rows thread // 16 + 8 p of a
+        chunk's 64); with `write`, r of rows < length to rstd_out [T, Hqk]. The l2norm kernel's arithmetic in
+        its order (sequential squares, then the shuffles), so the same bits as it."""
         for p in T.unroll(_NORM_PASSES):
             rstd[p] = 0.0
             for j in T.unroll(_NORM_VECTOR):
@@ -75,17 +72,10 @@ def inverse_program(head_dim: int = HEAD_DIM, dtype: str = "bfloat16", beta_dtyp
             for o in T.unroll(4):
                 rstd[p] = rstd[p] + T.shfl_xor(rstd[p], (_NORM_LANES // 2) >> o)
             rstd[p] = T.rsqrt(rstd[p] + EPS)
-        for p in T.unroll(_NORM_PASSES):
-            for j in T.unroll(_NORM_VECTOR):
-                values[p, j] = T.cast(T.cast(values[p, j], "float32") * rstd[p], dtype)
         if write:
             for p in T.unroll(_NORM_PASSES):
-                row = p * _NORM_ROWS + thread // _NORM_LANES
-                if row < length:
-                    for j in T.vectorized(_NORM_VECTOR):
-                        normalized[start + row, qk_head, col + j] = values[p, j]
-                    if thread % _NORM_LANES == 0:
-                        normalized_rstd[start + row, qk_head] = rstd[p]
+                if p * _NORM_ROWS + thread // _NORM_LANES < length and thread % _NORM_LANES == 0:
+                    rstd_out[start + p * _NORM_ROWS + thread // _NORM_LANES, qk_head] = rstd[p]
 
     @T.macro
     def body(k, g, beta, chunk_bounds, gamma, inverse, norm):
@@ -137,29 +127,29 @@ def inverse_program(head_dim: int = HEAD_DIM, dtype: str = "bfloat16", beta_dtyp
             T.tma_copy(k[start:start + _C, qk_head, 0:head_dim], k_shared, barrier=k_loaded[0])
             if T.shuffle_elect(_THREADS):
                 T.barrier_arrive(k_loaded[0])
-            # q's L2 norm, by the group's first member while k's tile loads. Rows past the tensor read its last
-            # row: every lane of a warp takes part in the shuffles, and only rows < length are written.
+            # r of q, by the group's first member while k's tile loads. Rows past the tensor read its last row:
+            # every lane of a warp takes part in the shuffles, and only rows < length are written.
             if norm is not None:
                 if member == 0:
                     for p in T.unroll(_NORM_PASSES):
                         for j in T.vectorized(_NORM_VECTOR):
                             rows[p, j] = norm.q[T.min(start + p * _NORM_ROWS + thread // _NORM_LANES, num_tokens - 1),
                                                 qk_head, norm_col + j]
-                    normalize_rows(rows, rstd, thread, start, length, qk_head, norm.q_hat, norm.q_rstd, True)
+                    row_rstds(rows, rstd, thread, start, length, qk_head, norm.q_rstd, True)
             for t in T.Parallel(_C):
                 beta_shared[t] = T.if_then_else(t < length, T.cast(beta[start + t, head], "float32"), 0.0)
                 g_shared[t] = T.if_then_else(t < length, T.cast(g[start + t, head], "float32"), 0.0)
             T.mbarrier_wait_parity(k_loaded[0], 0)
-            # k's L2 norm in place in shared memory (every member multiplies by its own k^); the first member
-            # writes k^ and r for the walk and the backward.
+            # k's L2 norm in place in shared memory (every member for its own K K^T); the first member writes r.
             if norm is not None:
                 for p in T.unroll(_NORM_PASSES):
                     for j in T.vectorized(_NORM_VECTOR):
                         rows[p, j] = k_shared[p * _NORM_ROWS + thread // _NORM_LANES, norm_col + j]
-                normalize_rows(rows, rstd, thread, start, length, qk_head, norm.k_hat, norm.k_rstd, member == 0)
+                row_rstds(rows, rstd, thread, start, length, qk_head, norm.k_rstd, member == 0)
                 for p in T.unroll(_NORM_PASSES):
                     for j in T.vectorized(_NORM_VECTOR):
-                        k_shared[p * _NORM_ROWS + thread // _NORM_LANES, norm_col + j] = rows[p, j]
+                        k_shared[p * _NORM_ROWS + thread // _NORM_LANES, norm_col + j] = T.cast(
+                            T.cast(rows[p, j], "float32") * rstd[p], dtype)
                 T.fence_proxy_async()
                 T.sync_threads()
             T.gemm(k_shared, k_shared, gram, transpose_B=True, clear_accum=True)
@@ -261,15 +251,13 @@ def inverse_program(head_dim: int = HEAD_DIM, dtype: str = "bfloat16", beta_dtyp
         g: T.Tensor((num_tokens, num_v_heads), g_dtype),
         beta: T.Tensor((num_tokens, num_v_heads), beta_dtype),
         chunk_bounds: T.Tensor((num_chunks, 2), "int32"),
-        q_hat: T.Tensor(qk_shape, dtype),
-        k_hat: T.Tensor(qk_shape, dtype),
         q_rstd: T.Tensor((num_tokens, num_qk_heads), "float32"),
         k_rstd: T.Tensor((num_tokens, num_qk_heads), "float32"),
         gamma: T.Tensor((num_tokens, num_v_heads), "float32"),
         inverse: T.Tensor((num_tokens, num_v_heads, _C), dtype),
     ):
         body(k, g, beta, chunk_bounds, gamma, inverse,
-             SimpleNamespace(q=q, q_hat=q_hat, k_hat=k_hat, q_rstd=q_rstd, k_rstd=k_rstd))
+             SimpleNamespace(q=q, q_rstd=q_rstd, k_rstd=k_rstd))
 
     return normalizing_inverse_kernel
 
@@ -281,23 +269,15 @@ def compile_inverse(head_dim: int = HEAD_DIM, dtype: str = "bfloat16", beta_dtyp
     return compile_for_hopper(program, fast_math=True)
 
 
-class NormalizedQK(NamedTuple):
-    """q and k after the L2 norm of use_qk_l2norm_in_kernel (x r, r = (sum(x^2) + eps)^-1/2), and r."""
-
-    q: torch.Tensor       # [T, Hqk, K] in q's dtype
-    k: torch.Tensor
-    q_rstd: torch.Tensor  # float32 [T, Hqk]
-    k_rstd: torch.Tensor
-
-
 def gamma_and_inverse(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, chunk_bounds: torch.Tensor,
                       normalize_q: torch.Tensor | None = None):
     """(gamma, A~) of every chunk and value head: gamma float32 [T, Hv], A~ [T, Hv, 64] in k's dtype,
     for k [T, Hqk, K], g and beta [T, Hv] (float32, bf16 or fp16) and chunk_bounds, int32 [num_chunks, 2]
     (chunk_plan.chunk_bounds, ForwardPlan.chunk_bounds).
 
-    normalize_q: q [T, Hqk, K], given to L2-normalise q and k in the same kernel (k is normalised before its
-    products): then (gamma, A~ of k^, NormalizedQK), bitwise what l2norm.l2norm_forward gives."""
+    normalize_q: q [T, Hqk, K], given for the L2 norm of q and k (use_qk_l2norm_in_kernel): A~ is then that
+    of k^ (k normalised in the kernel) and a third value (q_rstd, k_rstd), float32 [T, Hqk] each, the norm's
+    r = (sum(x^2) + eps)^-1/2 of every row, bitwise what l2norm.l2norm_forward gives."""
     num_tokens, num_qk_heads, head_dim = k.shape
     num_v_heads = beta.shape[1]
     gamma = torch.empty(num_tokens, num_v_heads, dtype=torch.float32, device=k.device)
@@ -311,7 +291,6 @@ def gamma_and_inverse(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, chun
             kernel(k, g, beta, chunk_bounds, gamma, inverse)
         return gamma, inverse
     rstds = torch.empty(2, num_tokens, num_qk_heads, dtype=torch.float32, device=k.device)
-    normalized = NormalizedQK(torch.empty_like(normalize_q), torch.empty_like(k), rstds[0], rstds[1])
     if kernel is not None:
-        kernel(normalize_q, k, g, beta, chunk_bounds, *normalized, gamma, inverse)
-    return gamma, inverse, normalized
+        kernel(normalize_q, k, g, beta, chunk_bounds, rstds[0], rstds[1], gamma, inverse)
+    return gamma, inverse, (rstds[0], rstds[1])

@@ -1,10 +1,11 @@
 """The q/k L2 normalisation of `use_qk_l2norm_in_kernel` as two memory-bound kernels.
 
 y = x * r with r = (sum(x^2) + eps)^(-1/2) over the last dim, in float32 and rounded once; its
-gradient dx = r * (dy - y * sum(y * dy)), which needs only y and r (4 bytes a row). The op runs the
-forward inside the inverse's kernel (inverse.py, normalize_qk, the same arithmetic and bits): the one
-here is its reference and the bench's unfused stage. The backward runs here for grouped value heads,
-else inside the chunk-gradient kernel's epilogues (backward.py says why).
+gradient dx = r * (dy - y * sum(y * dy)), which needs x and r (4 bytes a row): y is made again from them,
+the same bits. The op makes r inside the inverse's kernel (inverse.py, normalize_qk, the same arithmetic
+and bits) and never writes y: the forward here is its reference and the bench's unfused stage. The
+backward runs here for grouped value heads, else inside the chunk-gradient kernel's epilogues
+(backward.py says why).
 
 Rows of 128 elements; 16 threads a row, each with 8 neighbouring elements (one 16-byte load), so a
 warp reads two whole rows per instruction and a row's sum is four xor-shuffles inside its 16 lanes.
@@ -85,7 +86,7 @@ def l2norm_backward_program(dtype: str):
     @T.prim_func
     def l2norm_backward(
         dy: T.Tensor((rows, HEAD_DIM), dtype),
-        y: T.Tensor((rows, HEAD_DIM), dtype),
+        x: T.Tensor((rows, HEAD_DIM), dtype),
         rstd: T.Tensor((rows,), f32),
         dx: T.Tensor((rows, HEAD_DIM), dtype),
     ):
@@ -95,10 +96,15 @@ def l2norm_backward_program(dtype: str):
             first = block * ROWS_PER_CTA + tx // _LANES
             upstream = T.alloc_local((_PASSES, _VECTOR), f32)
             normalised = T.alloc_local((_PASSES, _VECTOR), f32)
+            row_rstd = T.alloc_local((_PASSES,), f32)
             dot = T.alloc_local((_PASSES,), f32)
             for p in T.unroll(_PASSES):
                 _load_row(upstream, dy, p, first, col, rows, step)
-                _load_row(normalised, y, p, first, col, rows, step)
+                _load_row(normalised, x, p, first, col, rows, step)
+                row_rstd[p] = rstd[T.min(first + p * step, rows - 1)]
+            for p in T.unroll(_PASSES):  # y = x r rounded as the forward rounds it
+                for j in T.unroll(_VECTOR):
+                    normalised[p, j] = T.cast(T.cast(normalised[p, j] * row_rstd[p], dtype), f32)
             for p in T.unroll(_PASSES):
                 dot[p] = 0.0
                 for j in T.unroll(_VECTOR):
@@ -108,7 +114,7 @@ def l2norm_backward_program(dtype: str):
                 if first + p * step < rows:
                     for j in T.vectorized(_VECTOR):
                         dx[first + p * step, col + j] = T.cast(
-                            rstd[first + p * step] * (upstream[p, j] - normalised[p, j] * dot[p]), dtype)
+                            row_rstd[p] * (upstream[p, j] - normalised[p, j] * dot[p]), dtype)
 
     return l2norm_backward
 
@@ -132,11 +138,11 @@ def l2norm_forward(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Ten
     return y, rstd
 
 
-def l2norm_backward(dy: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
-    """dx [rows, 128] for the forward above; dy, y contiguous in its dtype."""
+def l2norm_backward(dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
+    """dx [rows, 128] for the forward above, from its input x and r; dy, x contiguous in x's dtype."""
     dx = torch.empty_like(dy)
     if dy.shape[0]:
-        compile_l2norm_backward(dtype_name(dy))(dy, y, rstd, dx)
+        compile_l2norm_backward(dtype_name(dy))(dy, x, rstd, dx)
     return dx
 
 

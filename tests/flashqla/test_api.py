@@ -199,20 +199,18 @@ def test_saved_inputs_hold_no_larger_base(monkeypatch):
 
 
 def test_the_l2_norm_reaches_the_walk_and_its_r_the_backward(monkeypatch):
-    """With use_qk_l2norm_in_kernel the forward is asked to normalise q and k (in the inverse's kernel)
-    and the backward gets the normalised q, k it returned and their r (it applies the norm's backward in
-    the chunk-gradient kernel); without it, q and k reach both as given and no r is passed. Stand-in
-    kernels, no GPU."""
+    """With use_qk_l2norm_in_kernel the forward is asked to normalise q and k (its kernels apply the norm's
+    r) and the backward gets q, k as given and the r the forward returned; without it, q and k reach both
+    as given and no r is passed. Stand-in kernels, no GPU."""
     from flashqla.hopper import autograd, backward, forward
-    from flashqla.hopper.inverse import NormalizedQK
 
     asked, received = [], []
 
     def fake_forward(q, k, v, *args, normalize_qk=False, **kwargs):
         asked.append(normalize_qk)
         rows = q.numel() // q.shape[-1]
-        normalized = [NormalizedQK(q * 2.0, k * 2.0, torch.full((rows,), 0.5), torch.full((rows,), 0.25))]
-        return v * 1.0, None, *(normalized if normalize_qk else [])
+        rstds = [(torch.full((rows,), 0.5), torch.full((rows,), 0.25))]
+        return v * 1.0, None, *(rstds if normalize_qk else [])
 
     def fake_backward(q, k, v, g, beta, scale, h0, cu, d_o, d_state, cu_seqlens_host=None, kept=None,
                       q_rstd=None, k_rstd=None):
@@ -228,6 +226,6 @@ def test_the_l2_norm_reaches_the_walk_and_its_r_the_backward(monkeypatch):
         o.sum().backward()
     assert asked == [True, False]
     (q_saved, k_saved, q_rstd, k_rstd), (q_plain, k_plain, *no_rstds) = received
-    assert torch.equal(q_saved, q.detach() * 2) and torch.equal(k_saved, k.detach() * 2)
+    assert torch.equal(q_saved, q.detach()) and torch.equal(k_saved, k.detach())
     assert bool((q_rstd == 0.5).all()) and bool((k_rstd == 0.25).all()) and q_rstd.shape == (4,)
     assert torch.equal(q_plain, q.detach()) and torch.equal(k_plain, k.detach()) and no_rstds == [None, None]

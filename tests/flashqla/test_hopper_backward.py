@@ -57,13 +57,18 @@ def test_backward_is_bitwise_deterministic(heads):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not on_hopper, reason="needs an SM90 (Hopper) GPU")
-def test_autograd_end_to_end_with_checkpointing_and_views():
+@pytest.mark.parametrize("keep", [True, "products", False], ids=["keep_all", "keep_products", "keep_nothing"])
+@pytest.mark.parametrize("heads", [(2, 8), (4, 4)], ids=["2_8", "4_4"])
+def test_autograd_end_to_end_with_checkpointing_and_views(heads, keep):
     """chunk_gated_delta_rule(backend="tilelang") under activation checkpointing (forward run
-    twice), with non-contiguous q/k/v views and in-op L2 normalisation, against the reference."""
+    twice), with non-contiguous q/k/v views and in-op L2 normalisation (q, k at 3x unit norm; the
+    norm's backward after the group sum at 2/8, in the chunk gradients at 4/4), against the reference,
+    for each of what the forward keeps (the backward rewalks the chunks, or runs the forward again)."""
     import flashqla
     from torch.utils.checkpoint import checkpoint
 
-    inputs, do, dht = make_backward_inputs(RAGGED, 2, 8, True)
+    num_qk_heads = heads[0]
+    inputs, do, dht = make_backward_inputs(RAGGED, *heads, True)
     # Non-contiguous views: heads interleaved in a wider tensor.
     wide = torch.cat([inputs["q"], inputs["k"]], dim=2)
     leaves = {
@@ -76,13 +81,14 @@ def test_autograd_end_to_end_with_checkpointing_and_views():
 
     def loss_of(backend, leaves, use_checkpoint):
         qk = leaves["qk"] if backend == "tilelang" else leaves["qk"].double()
-        q, k = qk[:, :, :2], qk[:, :, 2:]
+        q, k = qk[:, :, :num_qk_heads], qk[:, :, num_qk_heads:]
         cast = (lambda x: x) if backend == "tilelang" else (lambda x: x.double())
+        options = dict(keep_for_backward=keep) if backend == "tilelang" else {}
 
         def op(q, k, v, g, beta, h0):
             return flashqla.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
                                                    use_qk_l2norm_in_kernel=True, cu_seqlens=inputs["cu_seqlens"],
-                                                   backend=backend)
+                                                   backend=backend, **options)
 
         args = (q, k, cast(leaves["v"]), cast(leaves["g"]), cast(leaves["beta"]), cast(leaves["h0"]))
         o, final_state = checkpoint(op, *args, use_reentrant=False) if use_checkpoint else op(*args)

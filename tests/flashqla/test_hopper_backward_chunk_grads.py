@@ -6,10 +6,11 @@ are checked through `backward` in tests/flashqla/test_hopper_backward.py; here, 
 CPU checks (need nvcc only): its generated CUDA waits for every TMA load group before the first
 read and refills it only after the last one, and no TMA-filled buffer shares shared memory with
 another buffer (the two races seen on the device while it was written were of these kinds).
-GPU: the number of persistent CTAs does not change the result; the kernel that applies the L2
-norm's backward in its epilogues (`chunk_grads_program(l2norm_backward=True)`, what the op runs with
-use_qk_l2norm_in_kernel) gives the norm's backward of the plain kernel's dq, dk (float64 math) and
-its dv, dg, dbeta bitwise.
+GPU: the number of persistent CTAs does not change the result; the kernel that takes q, k before the
+L2 norm with its r (`chunk_grads_program(normalize_qk=True)`, what the op runs with
+use_qk_l2norm_in_kernel) gives bitwise the plain kernel's gradients on the l2norm kernel's q^, k^, and
+with the norm's backward in its epilogues (`l2norm_backward=True`) the norm's backward of the plain
+kernel's dq, dk (float64 math) and its dv, dg, dbeta bitwise.
 """
 import re
 import shutil
@@ -41,16 +42,18 @@ def test_chunk_bounds_of_ragged_batch():
     assert plan.chunk_index.tolist() == chunk_indices(cu_seqlens).tolist()
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["kernel", "l2norm_backward"])
-def l2norm_backward(request):
+# chunk_grads_program's (normalize_qk, l2norm_backward)
+@pytest.fixture(scope="module", params=[(False, False), (True, False), (True, True)],
+                ids=["kernel", "normalizing_qk", "l2norm_backward"])
+def variant(request):
     return request.param
 
 
 @pytest.fixture(scope="module")
-def kernel_source(l2norm_backward):
+def kernel_source(variant):
     from flashqla.hopper.backward_chunk_grads import compile_chunk_grads
 
-    return compile_chunk_grads(l2norm_backward).get_kernel_source()
+    return compile_chunk_grads(*variant).get_kernel_source()
 
 
 @needs_nvcc
@@ -81,10 +84,10 @@ def test_load_groups_are_waited_before_reads_and_refilled_after_last_read(kernel
 
 
 @needs_nvcc
-def test_tma_buffers_share_no_shared_memory(l2norm_backward, kernel_source):
+def test_tma_buffers_share_no_shared_memory(variant, kernel_source):
     from flashqla.hopper.backward_chunk_grads import TMA_BUFFERS, chunk_grads_program
 
-    assert_tma_buffers_alone(chunk_grads_program(l2norm_backward), kernel_source, TMA_BUFFERS)
+    assert_tma_buffers_alone(chunk_grads_program(*variant), kernel_source, TMA_BUFFERS)
 
 
 def assert_tma_buffers_alone(program, kernel_source, tma_buffers):
@@ -158,10 +161,11 @@ def test_worker_count_does_not_change_the_gradients(heads, num_workers):
 @requires_hopper
 @pytest.mark.parametrize("lengths", [RAGGED, [8192]], ids=["ragged", "1x8192"])
 @pytest.mark.parametrize("heads", [(16, 16), (8, 8), (4, 16)], ids=["16_16", "8_8", "4_16"])
-def test_l2norm_backward_in_the_epilogues(heads, lengths):
-    """q, k enter unnormalised (row norms 0.1-8) and go through the L2 norm's kernel; the separate
-    path's dq, dk are the kernel's (bf16) put through r (dy - y (y . dy)) in float64 per value head
-    (the norm's backward is linear, so per head and after the group sum agree)."""
+def test_l2norm_in_the_kernel(heads, lengths):
+    """q, k enter unnormalised (row norms 0.1-8). The kernel normalising them on chip gives bitwise the
+    plain kernel's gradients on the l2norm kernel's q^, k^ (every output); with the norm's backward in
+    its epilogues, dq, dk are the plain kernel's (bf16) put through r (dy - y (y . dy)) in float64 per
+    value head (the norm's backward is linear, so per head and after the group sum agree)."""
     from flashqla.hopper.backward_chunk_grads import chunk_gradients
     from flashqla.hopper.l2norm import l2_normalized
     from flashqla.testing import relative_error
@@ -170,16 +174,21 @@ def test_l2norm_backward_in_the_epilogues(heads, lengths):
     group = num_v_heads // num_qk_heads
     args = kernel_inputs(lengths, *heads)
     gen = torch.Generator(device="cuda").manual_seed(5)
-    rstd = {}
+    rstd, unnormalised = {}, {}
     for name in ("q", "k"):
         # the grid's q, k are unit rows: rescaled, they normalise back to themselves (up to rounding),
         # so the inverse in args still belongs to the keys
         norms = torch.empty(args[name].shape[:2] + (1,), device="cuda").uniform_(0.1, 8, generator=gen)
-        y, r = l2_normalized((args[name] * norms).to(torch.bfloat16))
+        unnormalised[name] = (args[name] * norms).to(torch.bfloat16)
+        y, r = l2_normalized(unnormalised[name])
         args[name], rstd[name] = y, r.view(args[name].shape[:2])
     separate = run_kernel(chunk_gradients, args)
-    fused = run_kernel(chunk_gradients, args, q_rstd=rstd["q"], k_rstd=rstd["k"])
-    again = run_kernel(chunk_gradients, args, q_rstd=rstd["q"], k_rstd=rstd["k"])
+    raw = dict(args, **unnormalised, q_rstd=rstd["q"], k_rstd=rstd["k"])
+    on_chip = run_kernel(chunk_gradients, raw, l2norm_backward=False)
+    for name, a, b in zip(OUTPUT_NAMES, on_chip, separate):
+        assert torch.equal(a, b), f"{name}: q, k normalised on chip differ from the l2norm kernel's"
+    fused = run_kernel(chunk_gradients, raw)
+    again = run_kernel(chunk_gradients, raw)
     report = []
     for index, name in ((0, "q"), (1, "k")):
         y = args[name].double().repeat_interleave(group, dim=1)  # [T, Hv, 128]

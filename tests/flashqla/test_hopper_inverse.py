@@ -227,9 +227,10 @@ def _unnormalized(x: torch.Tensor, seed: int) -> torch.Tensor:
                                               (torch.float16, torch.float32)], ids=["bf16", "bf16_beta", "fp16"])
 @pytest.mark.parametrize("heads", HEAD_LAYOUTS, ids=HEAD_IDS)
 def test_inverse_with_the_norm_matches_the_unfused_norm_bitwise(heads, dtype, beta_dtype):
-    """normalize_q: q^, k^ and their r as the l2norm kernel makes them, and gamma and A~ as the inverse makes
-    them from that k^, bit for bit, on ragged lengths (a partial last chunk at the tensor's end), with
-    NaN-poisoned memory (an unwritten row shows) and every value-head group member reading one q, k."""
+    """normalize_q: the r of q and k as the l2norm kernel makes them, and gamma and A~ as the inverse makes
+    them from the l2norm kernel's k^, bit for bit, on ragged lengths (a partial last chunk at the tensor's
+    end), with NaN-poisoned memory (an unwritten row shows) and every value-head group member reading one
+    q, k."""
     from flashqla.hopper.inverse import gamma_and_inverse
     from flashqla.hopper.l2norm import l2_normalized
 
@@ -239,13 +240,12 @@ def test_inverse_with_the_norm_matches_the_unfused_norm_bitwise(heads, dtype, be
     args = flat_args(dict(inputs, k=k, beta=inputs["beta"].to(beta_dtype)))
     q_flat = q.reshape(args["k"].shape).contiguous()
     poison_allocator()
-    gamma, inverse, fused = gamma_and_inverse(**args, normalize_q=q_flat)
-    (q_hat, q_rstd), (k_hat, k_rstd) = l2_normalized(q_flat), l2_normalized(args["k"])
+    gamma, inverse, (fused_q_rstd, fused_k_rstd) = gamma_and_inverse(**args, normalize_q=q_flat)
+    (_, q_rstd), (k_hat, k_rstd) = l2_normalized(q_flat), l2_normalized(args["k"])
     gamma_unfused, inverse_unfused = gamma_and_inverse(**dict(args, k=k_hat))
     torch.cuda.synchronize()
-    for name, ours, unfused in (("q^", fused.q, q_hat), ("k^", fused.k, k_hat), ("r of q", fused.q_rstd, q_rstd),
-                                ("r of k", fused.k_rstd, k_rstd), ("gamma", gamma, gamma_unfused),
-                                ("A~", inverse, inverse_unfused)):
+    for name, ours, unfused in (("r of q", fused_q_rstd, q_rstd), ("r of k", fused_k_rstd, k_rstd),
+                                ("gamma", gamma, gamma_unfused), ("A~", inverse, inverse_unfused)):
         assert torch.isfinite(ours).all(), f"{name}: NaN or inf (an unwritten row?)"
         unfused = unfused.view(ours.shape)
         mismatched = (ours != unfused).sum().item()
