@@ -73,12 +73,20 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seq
     def flat(x, heads):
         return x.reshape(num_tokens, heads, HEAD_DIM).to(torch.bfloat16).contiguous()
 
-    q_flat, k_flat = flat(q, num_qk_heads), flat(k, num_qk_heads)
     v_flat, do_flat = flat(v, num_v_heads), flat(do, num_v_heads)
     beta_flat = beta.reshape(num_tokens, num_v_heads).to(torch.float32).contiguous()
 
     chunk_index, offsets = plan.chunk_index, plan.chunk_offsets
     rstds = None if q_rstd is None else (q_rstd.view(num_tokens, num_qk_heads), k_rstd.view(num_tokens, num_qk_heads))
+    # kernel_rstds: the norm the kernels apply on chip. float16 rows are normalised here instead, in float32,
+    # and rounded to bf16 once (rounded to bf16 and then normalised on chip they would be rounded twice).
+    kernel_rstds = rstds
+    if rstds is not None and q.dtype == torch.float16:
+        q_flat, k_flat = (flat(x.reshape(num_tokens, num_qk_heads, HEAD_DIM).float() * rstd[..., None], num_qk_heads)
+                          for x, rstd in ((q, rstds[0]), (k, rstds[1])))
+        kernel_rstds = None
+    else:
+        q_flat, k_flat = flat(q, num_qk_heads), flat(k, num_qk_heads)
     if kept is None:  # run the forward again, keeping what it can: every piece in parallel
         _, _, kept, *_ = forward(q, k, v, g, beta, scale, initial_state, False, cu_seqlens,
                                  cu_seqlens_host=cu_seqlens_host, keep_for_backward=True,
@@ -94,21 +102,21 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seq
         forward_plan = plan_forward(cu_seqlens, num_v_heads, HEAD_DIM, sm_count, FORWARD_MAX_VALUE_BLOCK,
                                     host_bounds=cu_seqlens_host)
         _, _, states, _, _ = walk_chunks(q_flat, k_flat, v_flat, gamma, beta_flat, inverse, scale, h0, cu_seqlens,
-                                         forward_plan, store_chunk_states=True, rstds=rstds)
+                                         forward_plan, store_chunk_states=True, rstds=kernel_rstds)
 
     if dht is None:
         dht = torch.zeros(num_sequences, num_v_heads, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=device)
     dht = dht.to(torch.float32).contiguous()
     walk = state_gradient_walk(plan, gamma, cu_seqlens, cu_seqlens_host, num_v_heads, sm_count, log_decay_threshold)
     state_grads, dh0 = state_gradients(q_flat, k_flat, gamma, gated_inverse, scores, do_flat, dht, scale,
-                                       cu_seqlens, offsets, chunk_index.shape[0], **walk, rstds=rstds)
+                                       cu_seqlens, offsets, chunk_index.shape[0], **walk, rstds=kernel_rstds)
     # The kernel's epilogues apply the norm's backward per value head: for a group of them that is
     # the same rows' work repeated, and slower than once after the group sum (bench --compare
     # chunk_grads_l2norm: 1.06-1.07x at 16/16 and 8/8, 0.93x at 16/64).
-    norm_in_kernel = rstds is not None and num_v_heads == num_qk_heads
+    norm_in_kernel = kernel_rstds is not None and num_v_heads == num_qk_heads
     dq_head, dk_head, dv, dg, dbeta = chunk_gradients(
         q_flat, k_flat, v_flat, gamma, beta_flat, inverse, states, state_grads, do_flat, scale, plan.chunk_bounds,
-        **({} if rstds is None else dict(q_rstd=rstds[0], k_rstd=rstds[1], l2norm_backward=norm_in_kernel)))
+        **({} if kernel_rstds is None else dict(q_rstd=rstds[0], k_rstd=rstds[1], l2norm_backward=norm_in_kernel)))
 
     dq, dk = (sum_over_groups(grad, num_qk_heads, q.dtype) for grad in (dq_head, dk_head))
     if rstds is not None and not norm_in_kernel:

@@ -273,9 +273,14 @@ def chunk_grads_program(normalize_qk: bool = False, l2norm_backward: bool = Fals
                 T.mbarrier_wait_parity(loads_q[0], i % 2)
                 T.mbarrier_wait_parity(loads_k[0], i % 2)
                 if normalize_qk:  # q^ = q r, k^ = k r in place, rounded as the l2norm kernel rounds
+                    # Staged through dq and dk (free until their first product): read all, then write all,
+                    # so the pass needs one barrier, where in-place updates got one per unrolled row block.
                     for t, d in T.Parallel(_C, K):
-                        q_s[t, d] = T.cast(T.cast(q_s[t, d], f32) * q_rstd_s[t], op)
-                        k_s[t, d] = T.cast(T.cast(k_s[t, d], f32) * k_rstd_s[t], op)
+                        dq[t, d] = T.cast(q_s[t, d], f32) * q_rstd_s[t]
+                        dk[t, d] = T.cast(k_s[t, d], f32) * k_rstd_s[t]
+                    for t, d in T.Parallel(_C, K):
+                        q_s[t, d] = T.cast(dq[t, d], op)
+                        k_s[t, d] = T.cast(dk[t, d], op)
                     T.fence_proxy_async()
                     T.sync_threads()
                 T.gemm(q_s, k_s, qk, transpose_B=True, clear_accum=True)

@@ -40,7 +40,9 @@ def state_grads_program(value_block: int = 32, pieces: bool = False, normalize_q
     head, piece of a sequence); the CTA starts at walk_end[piece, head] (the sequence end, from dht,
     or a chunk boundary after the piece, from zero: a decay-truncated warm-up), stores dS only for
     the piece's own chunks, and writes dh0 only when the piece starts its sequence.
-    normalize_qk: q_rstd, k_rstd hold the L2 norm's r of q's and k's rows (else they are not read)."""
+    normalize_qk: q_rstd, k_rstd hold the L2 norm's r of q's and k's rows, one column per value head (else
+    they are not read): indexed by the CTA's own head, their loads join the pipeline's asynchronous copies,
+    where an index of the qk head (head // group) kept them in the consumers, one exposed load a chunk."""
     K = V = HEAD_DIM
     BV = value_block
     num_value_blocks = V // BV
@@ -73,8 +75,8 @@ def state_grads_program(value_block: int = 32, pieces: bool = False, normalize_q
         dh0: T.Tensor((num_sequences, num_v_heads, K, V), f32),
         piece_table: T.Tensor((num_pieces, PIECE_FIELDS), "int32"),
         walk_end: T.Tensor((num_pieces, num_v_heads), "int32"),
-        q_rstd: T.Tensor((rstd_rows, num_qk_heads), f32),
-        k_rstd: T.Tensor((rstd_rows, num_qk_heads), f32),
+        q_rstd: T.Tensor((rstd_rows, num_v_heads), f32),
+        k_rstd: T.Tensor((rstd_rows, num_v_heads), f32),
         scale: T.float32,
     ):
         with T.Kernel(num_value_blocks, num_v_heads, num_pieces if pieces else num_sequences,
@@ -103,9 +105,6 @@ def state_grads_program(value_block: int = 32, pieces: bool = False, normalize_q
             gam_s = T.alloc_shared((_C,), f32)
             q_rstd_s = T.alloc_shared((_C,), f32) if normalize_qk else None
             k_rstd_s = T.alloc_shared((_C,), f32) if normalize_qk else None
-            if normalize_qk:  # held in a variable: inlined into the r loads' indices it is a 64-bit division
-                rstd_head = T.alloc_var("int32")
-                rstd_head = qk_head
 
             ds = T.alloc_fragment((K, BV), f32)
             d_delta = T.alloc_fragment((_C, BV), f32)
@@ -137,10 +136,10 @@ def state_grads_program(value_block: int = 32, pieces: bool = False, normalize_q
                 # Padded rows repeat the last gamma, so e^{gamma_C} is the decay over the real tokens.
                 for t in T.Parallel(_C):
                     gam_s[t] = gamma[start + T.min(t, last), head]
-                if normalize_qk:  # each row's own r (rows past the tensor are zeros)
+                if normalize_qk:  # each row's own r, by value head: indexed as gamma is, so loaded as gamma is
                     for t in T.Parallel(_C):
-                        q_rstd_s[t] = q_rstd[T.min(start + t, num_tokens - 1), rstd_head]
-                        k_rstd_s[t] = k_rstd[T.min(start + t, num_tokens - 1), rstd_head]
+                        q_rstd_s[t] = q_rstd[T.min(start + t, num_tokens - 1), head]
+                        k_rstd_s[t] = k_rstd[T.min(start + t, num_tokens - 1), head]
                 for t, s in T.Parallel(_C, _C):
                     pm_m_s[t, s] = T.if_then_else(t <= last, pm_s[t, s], T.cast(0, op))
 
@@ -195,7 +194,8 @@ def state_gradients(q, k, gamma, gated_inverse, scores, do, dht, scale, cu_seqle
     pieces, walk_end: a forward plan's pieces (every sequence covered by one or more) and
     their walk_bounds(ahead=True); both None walks every sequence whole.
     rstds: (q_rstd, k_rstd), float32 [T, Hqk], when q and k are the inputs of use_qk_l2norm_in_kernel's
-    norm and these its r: the gradients are then those of the walk of q^, k^.
+    norm and these its r: the gradients are then those of the walk of q^, k^. With grouped value heads
+    they are repeated per value head for the kernel (8 bytes a token and head).
     """
     if (pieces is None) != (walk_end is None):
         raise ValueError("state_gradients: pass pieces and walk_end together, or neither")
@@ -209,7 +209,9 @@ def state_gradients(q, k, gamma, gated_inverse, scores, do, dht, scale, cu_seqle
         walk_end = torch.zeros(1, num_v_heads, dtype=torch.int32, device=q.device)
     normalize_qk = rstds is not None
     if not normalize_qk:  # unread
-        rstds = (torch.empty(1, q.shape[1], dtype=torch.float32, device=q.device),) * 2
+        rstds = (torch.empty(1, num_v_heads, dtype=torch.float32, device=q.device),) * 2
+    elif num_v_heads != q.shape[1]:
+        rstds = tuple(rstd.repeat_interleave(num_v_heads // q.shape[1], dim=1) for rstd in rstds)
     compile_state_grads(value_block, with_pieces, normalize_qk)(
         q, k, gamma, gated_inverse, scores, do, dht, cu_seqlens, offsets, grads, dh0, pieces, walk_end, *rstds,
         float(scale))
