@@ -116,7 +116,8 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seq
     norm_in_kernel = kernel_rstds is not None and num_v_heads == num_qk_heads
     dq_head, dk_head, dv, dg, dbeta = chunk_gradients(
         q_flat, k_flat, v_flat, gamma, beta_flat, inverse, states, state_grads, do_flat, scale, plan.chunk_bounds,
-        **({} if kernel_rstds is None else dict(q_rstd=rstds[0], k_rstd=rstds[1], l2norm_backward=norm_in_kernel)))
+        **({} if kernel_rstds is None else dict(q_rstd=kernel_rstds[0], k_rstd=kernel_rstds[1],
+                                                 l2norm_backward=norm_in_kernel)))
 
     dq, dk = (sum_over_groups(grad, num_qk_heads, q.dtype) for grad in (dq_head, dk_head))
     if rstds is not None and not norm_in_kernel:

@@ -33,6 +33,7 @@ and twenty-seventh sessions).
 
 import functools
 from types import SimpleNamespace
+
 import tilelang.language as T
 import torch
 
