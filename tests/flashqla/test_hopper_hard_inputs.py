@@ -326,6 +326,37 @@ def test_grid_gradient_check_catches_a_zeroed_short_sequence():
         assert_close_to_reference(ours, ref, seq_lens)
 
 
+@pytest.mark.parametrize("with_h0", [True, False], ids=["h0", "no_h0"])
+def test_float64_gradients_by_head_group_are_those_of_all_heads_at_once(with_h0):
+    """hopper_grid.float64_gradients takes one qk head and its value heads at a time (to fit the
+    16/64 x 32768 grid on an H100); that is the gradient of the whole loss, since heads never mix."""
+    from hopper_grid import GRAD_NAMES, float64_gradients
+
+    gen = torch.Generator().manual_seed(0)
+    seq_lens, (qk_heads, v_heads), dim = [70, 0, 1, 130], (2, 6), 16
+    tokens = sum(seq_lens)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    inputs = dict(q=randn(1, tokens, qk_heads, dim), k=randn(1, tokens, qk_heads, dim) / 4,
+                  v=randn(1, tokens, v_heads, dim), g=-torch.rand(1, tokens, v_heads, generator=gen),
+                  beta=torch.rand(1, tokens, v_heads, generator=gen),
+                  initial_state=randn(len(seq_lens), v_heads, dim, dim) if with_h0 else None,
+                  cu_seqlens=torch.tensor([0, *seq_lens]).cumsum(0))
+    do, dht = randn(1, tokens, v_heads, dim), randn(len(seq_lens), v_heads, dim, dim)
+    leaves = [x.double().requires_grad_() for x in (inputs["q"], inputs["k"], inputs["v"], inputs["g"],
+                                                   inputs["beta"], inputs["initial_state"]
+                                                   if with_h0 else torch.zeros_like(dht))]
+    o, final_state = reference.chunk_gated_delta_rule_torch(*leaves[:5], initial_state=leaves[5],
+                                                            output_final_state=True, cu_seqlens=inputs["cu_seqlens"])
+    whole = torch.autograd.grad((o * do.double()).sum() + (final_state * dht.double()).sum(), leaves)
+    for name, blocked, expected in zip(GRAD_NAMES, float64_gradients(inputs, do, dht), whole):
+        assert blocked.shape == expected.shape, name
+        torch.testing.assert_close(blocked, expected, rtol=1e-12, atol=1e-12, msg=name)
+        assert expected.abs().max() > 0, name
+
+
 def test_slice_floor_grades_near_zero_references_on_the_tensor_scale():
     gen = torch.Generator().manual_seed(0)
     ref = torch.randn(3, 2, 4, 4, generator=gen, dtype=torch.float64)
