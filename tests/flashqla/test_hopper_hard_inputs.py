@@ -345,9 +345,8 @@ def test_float64_gradients_by_head_group_are_those_of_all_heads_at_once(with_h0)
                   initial_state=randn(len(seq_lens), v_heads, dim, dim) if with_h0 else None,
                   cu_seqlens=torch.tensor([0, *seq_lens]).cumsum(0))
     do, dht = randn(1, tokens, v_heads, dim), randn(len(seq_lens), v_heads, dim, dim)
-    leaves = [x.double().requires_grad_() for x in (inputs["q"], inputs["k"], inputs["v"], inputs["g"],
-                                                   inputs["beta"], inputs["initial_state"]
-                                                   if with_h0 else torch.zeros_like(dht))]
+    h0 = inputs["initial_state"] if with_h0 else torch.zeros_like(dht)
+    leaves = [x.double().requires_grad_() for x in (*(inputs[name] for name in ("q", "k", "v", "g", "beta")), h0)]
     o, final_state = reference.chunk_gated_delta_rule_torch(*leaves[:5], initial_state=leaves[5],
                                                             output_final_state=True, cu_seqlens=inputs["cu_seqlens"])
     whole = torch.autograd.grad((o * do.double()).sum() + (final_state * dht.double()).sum(), leaves)
