@@ -34,9 +34,11 @@ every product reading the buffers it overwrites, and each
 group's barrier is waited on before the first read. No buffer written by TMA shares shared memory
 with any other buffer (tests/flashqla/test_hopper_backward_chunk_grads.py checks the generated offsets).
 
-normalize_qk (the op's use_qk_l2norm_in_kernel): q and k arrive as the norm's inputs with its r per row, and
-each task normalises its q and k tiles in shared memory once they land (the l2norm kernel's rounding, so
-the same q^, k^ bits), before any product reads them.
+normalize_qk (the op's use_qk_l2norm_in_kernel): q and k arrive as the norm's inputs with its r per row. The
+products read the raw tiles and r goes into their float32 row and column factors (q^ = diag(r_q) q): a pass
+over the tiles in shared memory, and its barrier, cost 7 % of the kernel (docs/kernel-notes.md, twenty-eighth
+session). Two products read dPm and two read X with r on the other side (dPm K^ and dPm^T Q^, X K^ and X^T K^),
+so those get a second C x C tile scaled by rows.
 """
 
 import functools
@@ -45,7 +47,7 @@ import tilelang.language as T
 import torch
 
 from flashqla.hopper.chunk_plan import device_sm_count
-from flashqla.hopper.common import CHUNK_SIZE, HEAD_DIM, compile_for_hopper
+from flashqla.hopper.common import CHUNK_SIZE, HEAD_DIM, compile_for_hopper, times_rstd
 
 _C = CHUNK_SIZE
 # Two warpgroups. Four (every product split four ways along N, 128 registers a thread) were 1.3-1.5x
@@ -106,19 +108,21 @@ def chunk_grads_program(normalize_qk: bool = False, l2norm_backward: bool = Fals
     f32 = "float32"
     column_partials, sum_partials = tile_sum_macros(_THREADS // _C)
 
+    def either(buffer, fallback):
+        """buffer, or fallback where the plain kernel has none (a helper: an assignment inside a macro
+        would rename the buffer)."""
+        return fallback if buffer is None else buffer
+
     @T.macro
-    def l2norm_backward_rows(grad, normalised_s, rstd, start, qk_head, products, row_dots, row_rstd):
-        """grad (C x K, float32, the gradient of the normalised rows in normalised_s) becomes the
-        gradient of the rows before the norm: r (grad - y (y . grad)) with y the normalised row.
-        products (C x K), row_dots and row_rstd (C) are scratch fragments; r is read first, so that
-        its load flies during the row sums."""
-        for t in T.Parallel(_C):
-            row_rstd[t] = rstd[T.min(start + t, num_tokens - 1), qk_head]
+    def l2norm_backward_rows(grad, raw_s, rstd_s, products, row_dots):
+        """grad (C x K, float32, the gradient of the normalised rows y = r x, x in raw_s, r in rstd_s) becomes
+        the gradient of x: r (grad - y (y . grad)) = r grad - r^3 x (x . grad). products (C x K) and
+        row_dots (C) are scratch fragments."""
         for t, d in T.Parallel(_C, K):
-            products[t, d] = grad[t, d] * T.cast(normalised_s[t, d], f32)
+            products[t, d] = grad[t, d] * T.cast(raw_s[t, d], f32)
         T.reduce_sum(products, row_dots, dim=1, clear=True)
         for t, d in T.Parallel(_C, K):
-            grad[t, d] = row_rstd[t] * (grad[t, d] - T.cast(normalised_s[t, d], f32) * row_dots[t])
+            grad[t, d] = rstd_s[t] * (grad[t, d] - T.cast(raw_s[t, d], f32) * (rstd_s[t] * rstd_s[t] * row_dots[t]))
 
     @T.macro
     def walk_tasks(q, k, v, gamma, beta, inverse, chunk_states, chunk_state_grads, do, chunk_bounds, dq_head,
@@ -190,10 +194,14 @@ def chunk_grads_program(normalize_qk: bool = False, l2norm_backward: bool = Fals
             ck = T.alloc_fragment((_C, K), f32)
             row_v = T.alloc_fragment((_C,), f32)  # row sums of C x BV fragments
             row_d = T.alloc_fragment((_C,), f32)  # row sums of C x K fragments (ck: their scratch)
-            row_r = T.alloc_fragment((_C,), f32)  # the L2 norm's r of the rows (l2norm_backward_rows)
-            if normalize_qk:  # r of this task's q and k rows, and (threads t < C) row t's of the next task
-                q_rstd_s = T.alloc_shared((_C,), f32)
-                k_rstd_s = T.alloc_shared((_C,), f32)
+            # normalize_qk: r of this task's q and k rows; the decays with k's r folded in (e^{gamma_t} r_t,
+            # e^{gamma_C - gamma_t} r_t); dPm, then X, scaled by r along rows (ab_s has them scaled along columns)
+            q_rstd_s = T.alloc_shared((_C,), f32) if normalize_qk else None
+            k_rstd_s = T.alloc_shared((_C,), f32) if normalize_qk else None
+            dec_k_s = T.alloc_shared((_C,), f32) if normalize_qk else None
+            rdec_k_s = T.alloc_shared((_C,), f32) if normalize_qk else None
+            rows_s = T.alloc_shared((_C, _C), op) if normalize_qk else None
+            if normalize_qk:  # (threads t < C) r of row t of the next task
                 q_rstd_next = T.alloc_var(f32)
                 k_rstd_next = T.alloc_var(f32)
                 rstd_head = T.alloc_var("int32")  # an index's 64-bit division, held once
@@ -265,6 +273,9 @@ def chunk_grads_program(normalize_qk: bool = False, l2norm_backward: bool = Fals
                 for t in T.Parallel(_C):
                     dec_s[t] = T.exp(gam_s[t])
                     rdec_s[t] = T.exp(gam_s[_C - 1] - gam_s[t])
+                    if normalize_qk:
+                        dec_k_s[t] = dec_s[t] * k_rstd_s[t]
+                        rdec_k_s[t] = rdec_s[t] * k_rstd_s[t]
                 for t, s in T.Parallel(_C, _C):
                     gm[t, s] = T.if_then_else((s <= t) & (t < length), T.exp(gam_s[t] - gam_s[s]), 0.0)
 
@@ -272,18 +283,10 @@ def chunk_grads_program(normalize_qk: bool = False, l2norm_backward: bool = Fals
                 # zeros past the tensor); masked rows of Gm and beta and of dgamma keep them out.
                 T.mbarrier_wait_parity(loads_q[0], i % 2)
                 T.mbarrier_wait_parity(loads_k[0], i % 2)
-                if normalize_qk:  # q^ = q r, k^ = k r in place, rounded as the l2norm kernel rounds
-                    # Staged through dq and dk (free until their first product): read all, then write all,
-                    # so the pass needs one barrier, where in-place updates got one per unrolled row block.
-                    for t, d in T.Parallel(_C, K):
-                        dq[t, d] = T.cast(q_s[t, d], f32) * q_rstd_s[t]
-                        dk[t, d] = T.cast(k_s[t, d], f32) * k_rstd_s[t]
-                    for t, d in T.Parallel(_C, K):
-                        q_s[t, d] = T.cast(dq[t, d], op)
-                        k_s[t, d] = T.cast(dk[t, d], op)
-                    T.fence_proxy_async()
-                    T.sync_threads()
                 T.gemm(q_s, k_s, qk, transpose_B=True, clear_accum=True)
+                if normalize_qk:  # Q^ K^T = diag(r_q) Q K^T diag(r_k)
+                    for t, s in T.Parallel(_C, _C):
+                        qk[t, s] = qk[t, s] * q_rstd_s[t] * k_rstd_s[s]
                 for t, s in T.Parallel(_C, _C):
                     pm_s[t, s] = T.cast(scale * qk[t, s] * gm[t, s], op)
                 T.mbarrier_wait_parity(loads_inv[0], i % 2)
@@ -314,13 +317,13 @@ def chunk_grads_program(normalize_qk: bool = False, l2norm_backward: bool = Fals
                 T.wait_wgmma(1)
                 T.warpgroup_fence_operand(u, num_regs=_WIDE)
                 for t, d in T.Parallel(_C, BV):
-                    w_s[t, d] = T.cast(T.cast(w_s[t, d], f32) - dec_s[t] * u[t, d], op)
+                    w_s[t, d] = T.cast(T.cast(w_s[t, d], f32) - either(dec_k_s, dec_s)[t] * u[t, d], op)
                 T.wgmma_gemm(ab_s, w_s, delta, clear_accum=True)
                 # dDelta = E K dS1 + Pm^T dO;  the E term also feeds dgamma (te).
                 T.wait_wgmma(1)
                 T.warpgroup_fence_operand(d_delta, num_regs=_WIDE)
                 for t, d in T.Parallel(_C, BV):
-                    d_delta[t, d] = d_delta[t, d] * rdec_s[t]
+                    d_delta[t, d] = d_delta[t, d] * either(rdec_k_s, rdec_s)[t]
                 T.wait_wgmma(0)
                 T.warpgroup_fence_operand(delta, num_regs=_WIDE)
                 for t, d in T.Parallel(_C, BV):
@@ -349,8 +352,8 @@ def chunk_grads_program(normalize_qk: bool = False, l2norm_backward: bool = Fals
                 for t, d in T.Parallel(_C, BV):
                     cv[t, d] = dw[t, d] * u[t, d]
                 T.reduce_sum(cv, row_v, dim=1, clear=True)
-                for t in T.Parallel(_C):
-                    dgam_s[t] = row_v[t] - te_s[t]
+                for t in T.Parallel(_C):  # U^ = diag(r_k) U
+                    dgam_s[t] = times_rstd(row_v[t], k_rstd_s, t) - te_s[t]
                 for t, d in T.Parallel(_C, BV):
                     du_s[t, d] = T.cast(dw[t, d], op)
                 # dK's first state term E Delta dS1^T (dS1's last read) and dQ's S0 term scale D dO S0^T
@@ -383,7 +386,7 @@ def chunk_grads_program(normalize_qk: bool = False, l2norm_backward: bool = Fals
                     ck[t, d] = dq[t, d] * T.cast(q_s[t, d], f32)
                 T.reduce_sum(ck, row_d, dim=1, clear=True)
                 for t in T.Parallel(_C):
-                    dgam_s[t] = dgam_s[t] + row_d[t]
+                    dgam_s[t] = dgam_s[t] + times_rstd(row_d[t], q_rstd_s, t)
                 # with dP = scale dO Delta^T
                 T.wgmma_gemm(du_s, s0_s, dk, transpose_B=True)
                 T.wgmma_gemm(do_s, delta_s, dpr, transpose_B=True, clear_accum=True)
@@ -427,16 +430,19 @@ def chunk_grads_program(normalize_qk: bool = False, l2norm_backward: bool = Fals
                 if tx < _C:
                     dgam_s[tx] = dgam_s[tx] + sum_partials(row_part_s, tx) - sum_partials(col_part_s, tx)
                 for t, s in T.Parallel(_C, _C):
-                    ab_s[t, s] = T.cast(scale * dpr[t, s] * gm[t, s], op)  # dPm
+                    ab_s[t, s] = T.cast(times_rstd(scale * dpr[t, s] * gm[t, s], k_rstd_s, s), op)  # dPm
+                if normalize_qk:
+                    for t, s in T.Parallel(_C, _C):
+                        rows_s[t, s] = T.cast(scale * dpr[t, s] * gm[t, s] * q_rstd_s[t], op)
 
                 # dQ += dPm K;  dK += dPm^T Q;  T1 = A~^T dA~
                 T.wgmma_gemm(ab_s, k_s, dq)
-                T.wgmma_gemm(ab_s, q_s, dk, transpose_A=True)
+                T.wgmma_gemm(either(rows_s, ab_s), q_s, dk, transpose_A=True)
                 T.wgmma_gemm(inv_s, pm_s, t1, transpose_A=True, clear_accum=True)
                 T.wait_wgmma(2)
                 T.warpgroup_fence_operand(dq, num_regs=_WIDE)
                 if l2norm_backward:
-                    l2norm_backward_rows(dq, q_s, q_rstd, start, head // group, ck, row_d, row_r)
+                    l2norm_backward_rows(dq, q_s, q_rstd_s, ck, row_d)
                 for t, d in T.Parallel(_C, K):
                     if t < length:
                         dq_head[start + t, head, d] = T.cast(dq[t, d], op)
@@ -457,7 +463,7 @@ def chunk_grads_program(normalize_qk: bool = False, l2norm_backward: bool = Fals
                 # dbeta += row sums of dL . KK^T, as the column sums of its transpose (cc_s is free:
                 # its last reads were before the two barriers since)
                 for t, s in T.Parallel(_C, _C):
-                    cc_s[s, t] = dl[t, s] * kk[t, s]
+                    cc_s[s, t] = times_rstd(times_rstd(dl[t, s] * kk[t, s], k_rstd_s, t), k_rstd_s, s)
                 T.sync_threads()
                 column_partials(cc_s, row_part_s, tx)
                 T.sync_threads()
@@ -467,13 +473,16 @@ def chunk_grads_program(normalize_qk: bool = False, l2norm_backward: bool = Fals
                 # through shared memory.
                 T.sync_threads()  # every warpgroup has read dPm before X overwrites it
                 for t, s in T.Parallel(_C, _C):
-                    ab_s[t, s] = T.cast(dl[t, s] * b_s[t], op)
+                    ab_s[t, s] = T.cast(times_rstd(dl[t, s] * b_s[t], k_rstd_s, s), op)
+                if normalize_qk:
+                    for t, s in T.Parallel(_C, _C):
+                        rows_s[t, s] = T.cast(dl[t, s] * b_s[t] * k_rstd_s[t], op)
                 T.wgmma_gemm(ab_s, k_s, dk)
-                T.wgmma_gemm(ab_s, k_s, dk, transpose_A=True)
+                T.wgmma_gemm(either(rows_s, ab_s), k_s, dk, transpose_A=True)
                 T.wait_wgmma(0)
                 T.warpgroup_fence_operand(dk, num_regs=_WIDE)
                 if l2norm_backward:
-                    l2norm_backward_rows(dk, k_s, k_rstd, start, head // group, ck, row_d, row_r)
+                    l2norm_backward_rows(dk, k_s, k_rstd_s, ck, row_d)
 
                 # q, k and A~ are read for the last time above: load the next task's.
                 T.sync_threads()

@@ -25,7 +25,7 @@ import tilelang.language as T
 import torch
 
 from flashqla.hopper.chunk_plan import PIECE_FIELDS
-from flashqla.hopper.common import CHUNK_SIZE, HEAD_DIM, WARPGROUP, compile_for_hopper
+from flashqla.hopper.common import CHUNK_SIZE, HEAD_DIM, WARPGROUP, compile_for_hopper, times_rstd
 
 _C = CHUNK_SIZE
 # Two consumer warpgroups and three load stages: 1.07-1.09x one warpgroup with two stages on the
@@ -55,10 +55,6 @@ def state_grads_program(value_block: int = 32, pieces: bool = False, normalize_q
     rstd_rows = T.dynamic("rstd_rows")
     op = "bfloat16"
     f32 = "float32"
-
-    def times_rstd(x, rstd_s, t):
-        """x times the L2 norm's r of row t (x itself without normalize_qk)."""
-        return x * rstd_s[t] if normalize_qk else x
 
     @T.prim_func
     def state_grads_kernel(

@@ -8,9 +8,10 @@ read and refills it only after the last one, and no TMA-filled buffer shares sha
 another buffer (the two races seen on the device while it was written were of these kinds).
 GPU: the number of persistent CTAs does not change the result; the kernel that takes q, k before the
 L2 norm with its r (`chunk_grads_program(normalize_qk=True)`, what the op runs with
-use_qk_l2norm_in_kernel) gives bitwise the plain kernel's gradients on the l2norm kernel's q^, k^, and
-with the norm's backward in its epilogues (`l2norm_backward=True`) the norm's backward of the plain
-kernel's dq, dk (float64 math) and its dv, dg, dbeta bitwise.
+use_qk_l2norm_in_kernel) gives the plain kernel's gradients on the l2norm kernel's q^, k^ up to bf16
+rounding (it folds r into float32 factors where the plain path rounds q^, k^ to bf16), and with the norm's
+backward in its epilogues (`l2norm_backward=True`) the norm's backward of its own dq^, dk^ (float64 math)
+and its own dv, dg, dbeta bitwise.
 """
 import re
 import shutil
@@ -162,10 +163,11 @@ def test_worker_count_does_not_change_the_gradients(heads, num_workers):
 @pytest.mark.parametrize("lengths", [RAGGED, [8192]], ids=["ragged", "1x8192"])
 @pytest.mark.parametrize("heads", [(16, 16), (8, 8), (4, 16)], ids=["16_16", "8_8", "4_16"])
 def test_l2norm_in_the_kernel(heads, lengths):
-    """q, k enter unnormalised (row norms 0.1-8). The kernel normalising them on chip gives bitwise the
-    plain kernel's gradients on the l2norm kernel's q^, k^ (every output); with the norm's backward in
-    its epilogues, dq, dk are the plain kernel's (bf16) put through r (dy - y (y . dy)) in float64 per
-    value head (the norm's backward is linear, so per head and after the group sum agree)."""
+    """q, k enter unnormalised (row norms 0.1-8). The kernel normalising them on chip gives the plain
+    kernel's gradients on the l2norm kernel's q^, k^ within bf16 rounding (every output, over the tensor and
+    per (sequence, head): a factor of r missing or misplaced anywhere would be off by up to 80x); with the
+    norm's backward in its epilogues, dq, dk are its own dq^, dk^ (bf16) put through r (dy - y (y . dy)) in
+    float64 per value head (the norm's backward is linear, so per head and after the group sum agree)."""
     from flashqla.hopper.backward_chunk_grads import chunk_gradients
     from flashqla.hopper.l2norm import l2_normalized
     from flashqla.testing import relative_error
@@ -185,15 +187,19 @@ def test_l2norm_in_the_kernel(heads, lengths):
     separate = run_kernel(chunk_gradients, args)
     raw = dict(args, **unnormalised, q_rstd=rstd["q"], k_rstd=rstd["k"])
     on_chip = run_kernel(chunk_gradients, raw, l2norm_backward=False)
+    report = []
     for name, a, b in zip(OUTPUT_NAMES, on_chip, separate):
-        assert torch.equal(a, b), f"{name}: q, k normalised on chip differ from the l2norm kernel's"
+        assert not a.isnan().any(), f"{name}: NaN (an unwritten row?)"
+        over_tensor = relative_error(a, b)
+        worst = sequence_head_errors(a[None], b[None], lengths).worst
+        report.append(f"{name} {over_tensor:.2e} (worst slice {worst:.2e})")
+        assert over_tensor <= 1e-2 and worst <= 2e-2, "on chip against the l2norm kernel's q^, k^: " + "; ".join(report)
     fused = run_kernel(chunk_gradients, raw)
     again = run_kernel(chunk_gradients, raw)
-    report = []
     for index, name in ((0, "q"), (1, "k")):
-        y = args[name].double().repeat_interleave(group, dim=1)  # [T, Hv, 128]
         r = rstd[name].double().repeat_interleave(group, dim=1)[..., None]
-        dy = separate[index].double()
+        y = unnormalised[name].double().repeat_interleave(group, dim=1) * r  # [T, Hv, 128], as the kernel folds it
+        dy = on_chip[index].double()
         expected = r * (dy - y * (y * dy).sum(-1, keepdim=True))
         got = fused[index]
         assert not got.isnan().any(), f"d{name}: NaN (an unwritten row?)"
@@ -204,7 +210,7 @@ def test_l2norm_in_the_kernel(heads, lengths):
         assert over_tensor <= 4e-3 and worst <= 2e-2, "; ".join(report)
     print("; ".join(report))
     # dv, dg and dbeta are the same instructions on the same tiles
-    for name, a, b in list(zip(OUTPUT_NAMES, separate, fused))[2:]:
+    for name, a, b in list(zip(OUTPUT_NAMES, on_chip, fused))[2:]:
         assert torch.equal(a, b), name
     for name, a, b in zip(OUTPUT_NAMES, fused, again):
         assert torch.equal(a, b), f"{name}: not deterministic"
