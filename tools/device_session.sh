@@ -42,6 +42,8 @@
 #   model-bench         python -m flashqla.bench --model --fwd --bwd (ours / FLA / FlashQLA as the model calls the op;
 #                       SHAPES=substr,... filters; BREAKDOWN=1 adds our stages; BASELINES= (empty): ours alone;
 #                       KEEP=products|false: what our op keeps for the backward, true by default)
+#   model-bench-ab      the same, ours alone with BREAKDOWN, this tree against baseline/ (git archive of another commit),
+#                       alternating ROUNDS (default 2) times; SHAPES defaults to 16/16,8/8; JSON per run in logs.tgz
 #   model-vs-hf         python -m benchmarks.model_vs_hf: ours, HF + FLA, HF + FlashQLA at 16384 tokens
 #   train-8k            launch/benchmark.sh 0.8B 8192 tilelang,fla
 #   train-128k-tilelang launch/benchmark.sh 0.8B 131072 tilelang
@@ -258,6 +260,18 @@ print("max |difference|", max(abs(losses[0][s] - losses[1][s]) for s in losses[0
             --json "$OUT/model-bench.json" ${SHAPES:+--shapes "$SHAPES"} ${BREAKDOWN:+--breakdown} \
             ${KEEP:+--keep "$KEEP"}
         ;;
+    model-bench-ab)
+        # this tree against baseline/ (a git archive of the commit to compare with), alternating ROUNDS (default 2)
+        # times in separate processes: the model bench, ours alone (SHAPES, default 16/16,8/8), with the breakdown
+        [ -d baseline/flashqla ] || { SUMMARY+=("$(printf '%-22s %-9s' model-bench-ab "NO baseline/")"); return 1; }
+        for round in $(seq "${ROUNDS:-2}"); do
+            for tree in . baseline; do
+                local tag="ab-${tree//./current}-$round"
+                step "$tag" 150 40 env PYTHONPATH="$PWD/$tree:${PYTHONPATH:-}" bash -c "cd $tree && $PYTHON -m flashqla.bench \
+                    --model --fwd --bwd --baselines= --breakdown --shapes '${SHAPES:-16/16,8/8}' --json $LOGS/$tag.json"
+            done
+        done
+        ;;
     model-vs-hf)
         step model-vs-hf 590 60 env OUT="$OUT" "$PYTHON" -m benchmarks.model_vs_hf \
             '[{"size": "0.8B", "tokens": 16384, "backend": "tilelang"}, {"impl": "hf", "size": "0.8B", "tokens": 16384},
@@ -307,7 +321,7 @@ print("max |difference|", max(abs(losses[0][s] - losses[1][s]) for s in losses[0
     *)
         echo "unknown part '$1': tests, tests-model, walk-timeline, unverified, compare, compare-conv, attention, bench, bench-warm, ncu, ncu-source," \
             "train-8k, train-32k, train-32k-compare, train-32k-compare-recompute, train-128k-compare, train-128k-tilelang, train-128k-fla, train-256k, train-384k, train-512k, train-2b, train," \
-            "idle, timing-cost, checkpoint-layers, keep-levels, model-bench, model-vs-hf," \
+            "idle, timing-cost, checkpoint-layers, keep-levels, model-bench, model-bench-ab, model-vs-hf," \
             "tp2, tp2-8k" >&2
         SUMMARY+=("$(printf '%-22s %-9s' "$1" "UNKNOWN")")
         ;;
