@@ -35,9 +35,9 @@ group's barrier is waited on before the first read. No buffer written by TMA sha
 with any other buffer (tests/flashqla/test_hopper_backward_chunk_grads.py checks the generated offsets).
 
 normalize_qk (the op's use_qk_l2norm_in_kernel): q and k arrive as the norm's inputs with its r per row. The
-products read the raw tiles and r goes into their float32 row and column factors (q^ = diag(r_q) q): a pass
-over the tiles in shared memory, and its barrier, cost 7 % of the kernel (docs/kernel-notes.md, twenty-eighth
-session). Two products read dPm and two read X with r on the other side (dPm K^ and dPm^T Q^, X K^ and X^T K^),
+products read the raw tiles and r goes into their float32 row and column factors (q^ = diag(r_q) q), where
+scaling the tiles in shared memory, with its barrier, cost 6-8 % of the kernel (docs/kernel-notes.md,
+thirty-first session). Two products read dPm and two read X with r on the other side (dPm K^ and dPm^T Q^, X K^ and X^T K^),
 so those get a second C x C tile scaled by rows.
 """
 
