@@ -1,13 +1,18 @@
 """Build every Hopper kernel for sm_90a without a GPU (CI runs this through tests/flashqla/test_hopper_compile.py).
 
-    python -m flashqla.hopper.compile_check [--dump DIR]
+    python -m flashqla.hopper.compile_check [--dump DIR] [--resources]
 
 Each entry of COMPILE_CHECKS is (name, zero-argument builder returning a compiled kernel); one
 representative specialisation per kernel and variant keeps the total compile time modest.
 --dump writes each kernel's generated CUDA (NAME.cu) and its TIR (NAME.tir, what TileLang's cache
 key hashes) to DIR: a refactor that must not change the kernels leaves `diff -r` of two dumps empty.
+--resources prints what ptxas allots each kernel (registers a thread, bytes spilled, stack), so a change's
+register pressure shows before any GPU runs it.
 """
 import argparse
+import re
+import subprocess
+import tempfile
 from pathlib import Path
 
 from flashqla.hopper.backward_chunk_grads import compile_chunk_grads
@@ -60,8 +65,42 @@ def compile_all(dump: Path | None = None) -> list[str]:
     return built
 
 
+PTXAS_USAGE = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads"
+                         r".*?Used (\d+) registers", re.S)
+
+
+def ptxas_resources(kernel) -> dict[str, int]:
+    """What ptxas allots a compiled TileLang kernel: {"registers", "spill_stores", "spill_loads", "stack"}
+    (bytes a thread). Recompiles the kernel's CUDA with TileLang's own nvcc options and ptxas --verbose
+    (TileLang keeps ptxas' report to itself)."""
+    import tilelang
+    from tilelang.env import CUTLASS_INCLUDE_DIR, TILELANG_TEMPLATE_PATH
+
+    fast_math = bool((kernel.pass_configs or {}).get(tilelang.PassConfigKey.TL_ENABLE_FAST_MATH, False))
+    with tempfile.TemporaryDirectory() as tmp:
+        source = Path(tmp) / "kernel.cu"
+        source.write_text(kernel.get_kernel_source())
+        command = ["nvcc", "--cubin", "-O3", "-arch=sm_90a", "-std=c++20", f"-I{TILELANG_TEMPLATE_PATH}",
+                   f"-I{CUTLASS_INCLUDE_DIR}", "--ptxas-options=--verbose", "-w", "-o", str(Path(tmp) / "kernel.cubin"),
+                   str(source)] + (["--use_fast_math"] if fast_math else [])
+        done = subprocess.run(command, capture_output=True, text=True, check=True)
+        report = done.stdout + done.stderr
+    match = PTXAS_USAGE.search(report)
+    if match is None:
+        raise RuntimeError(f"no ptxas usage line in:\n{report}")
+    stack, spill_stores, spill_loads, registers = map(int, match.groups())
+    return dict(registers=registers, spill_stores=spill_stores, spill_loads=spill_loads, stack=stack)
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dump", type=Path, default=None, help="write NAME.cu and NAME.tir of every kernel here")
-    for built_name in compile_all(parser.parse_args().dump):
-        print("built", built_name, flush=True)
+    parser.add_argument("--resources", action="store_true", help="print ptxas' registers and spills of every kernel")
+    args = parser.parse_args()
+    if args.resources:
+        for name, build in COMPILE_CHECKS:
+            usage = ptxas_resources(build())
+            print(f"{name:40s} " + " ".join(f"{key} {value}" for key, value in usage.items()), flush=True)
+    else:
+        for built_name in compile_all(args.dump):
+            print("built", built_name, flush=True)

@@ -9,7 +9,7 @@ tilelang = pytest.importorskip("tilelang")
 if shutil.which("nvcc") is None:
     pytest.skip("needs nvcc to compile the sm_90a kernels", allow_module_level=True)
 
-from flashqla.hopper.compile_check import COMPILE_CHECKS  # noqa: E402
+from flashqla.hopper.compile_check import COMPILE_CHECKS, ptxas_resources  # noqa: E402
 
 # What TileLang emits where an index expression such as `block % num_v_heads` is inlined into every
 # index that uses it instead of held in a T.alloc_var: a 64-bit division by a run-time count, about
@@ -24,6 +24,33 @@ def test_kernel_compiles_for_sm90a_without_64_bit_divisions(name, build):
     assert "__global__" in source, f"{name}: no CUDA kernel in the generated source"
     divisions = SIXTY_FOUR_BIT_DIVISION.findall(source)
     assert not divisions, f"{name}: {len(divisions)} 64-bit divisions in the generated CUDA"
+
+
+# Bytes a thread ptxas spills (stores + loads) in each kernel as committed, from
+# `python -m flashqla.hopper.compile_check --resources` (2026-12-06); kernels not named spill nothing. The chunk
+# gradients sit at 255 registers, the most a thread of their 256 can have. A change that spills more fails
+# here, on the CPU, before a GPU times it: the four-warpgroup chunk gradients' ~300 bytes a thread made them
+# 1.3-1.5x slower (docs/kernel-notes.md). Lower a ceiling when a change spills less.
+SPILL_CEILINGS = {
+    "chunk_inverse_normalizing_qk": 8,
+    "fused_forward": 8,
+    "fused_forward_keeping_all": 36,
+    "fused_forward_normalizing_qk": 12,
+    "backward_chunk_grads": 20,
+    "backward_chunk_grads_normalizing_qk": 32,
+    "backward_chunk_grads_l2norm": 48,
+}
+
+
+def test_spill_ceilings_name_only_checked_kernels():
+    assert set(SPILL_CEILINGS) <= {name for name, _ in COMPILE_CHECKS}
+
+
+@pytest.mark.parametrize("name,build", COMPILE_CHECKS, ids=[name for name, _ in COMPILE_CHECKS])
+def test_kernel_spills_no_more_than_its_ceiling(name, build):
+    usage = ptxas_resources(build())
+    spilled = usage["spill_stores"] + usage["spill_loads"]
+    assert spilled <= SPILL_CEILINGS.get(name, 0), f"{name}: {usage}"
 
 
 @pytest.mark.parametrize("value_block", [64, 128])
