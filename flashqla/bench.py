@@ -532,13 +532,51 @@ def compare_forward_walk(rep_ms: int):
         yield f"{name} (V block {plan.value_block})", times
 
 
+def compare_state_grads(rep_ms: int):
+    """The state-gradient walk (backward_state_grads.py) against the candidate split by role
+    (state_grads_roles.py), on the backward's plan and the forward's kept tensors, as the model calls the op
+    (q, k normalised in the kernels). Raises unless the two agree within bf16 rounding (they round different
+    operands)."""
+    from flashqla.hopper.backward import MAX_VALUE_BLOCK, state_gradient_walk
+    from flashqla.hopper.backward_state_grads import state_gradients
+    from flashqla.hopper.chunk_plan import plan_forward
+    from flashqla.hopper.forward import forward
+    from flashqla.hopper.state_grads_roles import state_gradients_by_roles
+    from flashqla.testing import relative_error
+
+    shapes = [("16/64 1x32768", (16, 64), [32768]), ("16/64 8192x4", (16, 64), [8192] * 4),
+              ("2/8 1x32768", (2, 8), [32768]), ("2/8 1x131072", (2, 8), [131072]),
+              ("16/16 1x131072", (16, 16), [131072]), ("8/8 1x131072", (8, 8), [131072])]
+    for name, (num_qk_heads, num_v_heads), seq_lens in shapes:
+        inputs = make_inputs((num_qk_heads, num_v_heads), seq_lens, like_the_model=True)
+        q, k, v, g, beta, rstds = _breakdown_operands(inputs, like_the_model=True)
+        cu = inputs["cu_seqlens"]
+        sm_count = torch.cuda.get_device_properties().multi_processor_count
+        plan = plan_forward(cu, num_v_heads, 128, sm_count, MAX_VALUE_BLOCK)
+        _, _, kept, *_ = forward(q[None], k[None], v[None], g[None], beta[None], 128 ** -0.5, None, False, cu,
+                                 keep_for_backward=True, normalize_qk=True)
+        do = torch.randn_like(v)
+        dht = torch.zeros(cu.numel() - 1, num_v_heads, 128, 128, device=v.device)
+        args = (q, k, kept.gamma, kept.gated_inverse, kept.scores, do, dht, 128 ** -0.5, cu, plan.chunk_offsets,
+                plan.chunk_index.shape[0])
+        walk = state_gradient_walk(plan, kept.gamma, cu, cu.tolist(), num_v_heads, sm_count)
+        variants = {"walk": lambda: state_gradients(*args, **walk, rstds=rstds),
+                    "by roles": lambda: state_gradients_by_roles(*args, **walk, rstds=rstds)}
+        (walk_ds, walk_dh0), (roles_ds, roles_dh0) = variants["walk"](), variants["by roles"]()
+        errors = (float(relative_error(roles_ds, walk_ds)), float(relative_error(roles_dh0, walk_dh0)))
+        if not max(errors) <= 1e-2:
+            raise AssertionError(f"state_grads {name}: by roles differs from the walk (dS, dh0 relative errors {errors})")
+        yield f"{name} (V block {walk['value_block']})", {label: _median_ms(fn, rep_ms) for label, fn in variants.items()}
+
+
 # fused_forward's switches of the walk's candidates, timed by --compare forward_walk (none now: the last ones,
 # Ab on warpgroup 2 from P's Gm with Ab and P stored first, became the walk; docs/kernel-notes.md)
 WALK_CANDIDATES: dict[str, dict] = {}
 
 
 COMPARISONS = {"keep_forward": compare_keep_forward, "conv": compare_conv, "inverse": compare_inverse,
-               "chunk_grads_l2norm": compare_chunk_grads_l2norm, "forward_walk": compare_forward_walk}
+               "chunk_grads_l2norm": compare_chunk_grads_l2norm, "forward_walk": compare_forward_walk,
+               "state_grads": compare_state_grads}
 
 
 def run_comparisons(names: list[str], rep_ms: int, json_path: str | None) -> None:
