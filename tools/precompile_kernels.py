@@ -166,10 +166,12 @@ def compile_walks() -> None:
     """The forward walk (flashqla/hopper/fused_forward.py) and the inverse (inverse.py) in every
     specialisation the tests and the training runs reach (head counts and lengths are run-time
     arguments of both): V blocks, dtypes, and what the walk stores; the state-only walk
-    (chunk_states.py) as the tests call it."""
+    (chunk_states.py) as the tests call it; the candidate state-gradient walk by roles (state_grads_roles.py) in
+    every V block the backward's plan picks."""
     from flashqla.hopper.chunk_states import compile_chunk_states
     from flashqla.hopper.fused_forward import compile_fused_forward
     from flashqla.hopper.inverse import compile_inverse
+    from flashqla.hopper.state_grads_roles import compile_state_grads_roles
 
     started = time.time()
     # (states, products) stored: none (no autograd), everything, all but the states, and the states
@@ -189,6 +191,9 @@ def compile_walks() -> None:
     for value_block in (64, 128):  # tools/walk_timeline.py: the recording walk, storing everything or nothing
         for stored in (True, False):
             compile_fused_forward(value_block, "bfloat16", "float32", 128, stored, stored, record_timeline=True)
+    for value_block in (16, 32, 64):
+        for normalize_qk in (False, True):
+            compile_state_grads_roles(value_block, normalize_qk)
     print(f"ours, walks: {time.time() - started:.0f} s", flush=True)
 
 
