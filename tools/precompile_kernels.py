@@ -310,6 +310,8 @@ def main(argv=None) -> None:
                     compile_conv_backward(conv_dtype, lanes=lanes)
             compile_l2norm_forward("float16")  # tests/flashqla/test_l2norm.py, the hard inputs' fp16 case
             compile_l2norm_backward("float16")
+            for rows_dtype in ("bfloat16", "float16"):  # the candidate summing a head group's bf16 gradients
+                compile_l2norm_backward(rows_dtype, "bfloat16", grouped=True)
         if "hard" in sets:
             for heads, lens, with_h0 in HARD_CASES:
                 compile_ours([(f"hard {heads[0]}/{heads[1]} {lens}", heads, lens)], with_initial_state=with_h0)

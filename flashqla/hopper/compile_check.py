@@ -49,6 +49,7 @@ COMPILE_CHECKS = [
     ("walk_ends", lambda: compile_walk_bounds(True)),
     ("l2norm_forward", lambda: compile_l2norm_forward("bfloat16")),
     ("l2norm_backward", lambda: compile_l2norm_backward("bfloat16")),
+    ("l2norm_group_backward", lambda: compile_l2norm_backward("float16", "bfloat16", grouped=True)),
 ]
 
 

@@ -78,18 +78,17 @@ def l2norm_forward_program(dtype: str, eps: float):
     return l2norm_forward
 
 
-def l2norm_backward_program(dtype: str):
+def l2norm_backward_program(dtype: str, grad_dtype: str, grouped: bool = False):
+    """grouped: dy holds `group` rows for each row of x (run-time; a head group's value heads, row r's at
+    r * group ...), in grad_dtype; they are summed in float32, in order, before the norm's backward, so a
+    grouped layout's gradient is read once and rounded once. Without it the kernel is the one-row-each form."""
     rows = T.dynamic("rows")
+    grad_rows = T.dynamic("grad_rows") if grouped else rows
     f32 = "float32"
     step = _THREADS // _LANES
 
-    @T.prim_func
-    def l2norm_backward(
-        dy: T.Tensor((rows, HEAD_DIM), dtype),
-        x: T.Tensor((rows, HEAD_DIM), dtype),
-        rstd: T.Tensor((rows,), f32),
-        dx: T.Tensor((rows, HEAD_DIM), dtype),
-    ):
+    @T.macro
+    def backward_rows(dy, x, rstd, dx, group):
         with T.Kernel(T.ceildiv(rows, ROWS_PER_CTA), threads=_THREADS) as block:
             tx = T.get_thread_binding()
             col = (tx % _LANES) * _VECTOR
@@ -98,10 +97,25 @@ def l2norm_backward_program(dtype: str):
             normalised = T.alloc_local((_PASSES, _VECTOR), f32)
             row_rstd = T.alloc_local((_PASSES,), f32)
             dot = T.alloc_local((_PASSES,), f32)
-            for p in T.unroll(_PASSES):
-                _load_row(upstream, dy, p, first, col, rows, step)
-                _load_row(normalised, x, p, first, col, rows, step)
-                row_rstd[p] = rstd[T.min(first + p * step, rows - 1)]
+            if grouped:
+                member = T.alloc_local((_PASSES, _VECTOR), f32)
+                for p in T.unroll(_PASSES):
+                    _load_row(normalised, x, p, first, col, rows, step)
+                    row_rstd[p] = rstd[T.min(first + p * step, rows - 1)]
+                    for j in T.unroll(_VECTOR):
+                        upstream[p, j] = 0.0
+                for m in T.serial(group):  # each member's rows of all passes in flight together
+                    for p in T.unroll(_PASSES):
+                        for j in T.vectorized(_VECTOR):
+                            member[p, j] = T.cast(dy[T.min(first + p * step, rows - 1) * group + m, col + j], f32)
+                    for p in T.unroll(_PASSES):
+                        for j in T.unroll(_VECTOR):
+                            upstream[p, j] = upstream[p, j] + member[p, j]
+            else:
+                for p in T.unroll(_PASSES):
+                    _load_row(upstream, dy, p, first, col, rows, step)
+                    _load_row(normalised, x, p, first, col, rows, step)
+                    row_rstd[p] = rstd[T.min(first + p * step, rows - 1)]
             for p in T.unroll(_PASSES):  # y = x r rounded as the forward rounds it
                 for j in T.unroll(_VECTOR):
                     normalised[p, j] = T.cast(T.cast(normalised[p, j] * row_rstd[p], dtype), f32)
@@ -116,6 +130,28 @@ def l2norm_backward_program(dtype: str):
                         dx[first + p * step, col + j] = T.cast(
                             row_rstd[p] * (upstream[p, j] - normalised[p, j] * dot[p]), dtype)
 
+    if grouped:
+        @T.prim_func
+        def l2norm_group_backward(
+            dy: T.Tensor((grad_rows, HEAD_DIM), grad_dtype),
+            x: T.Tensor((rows, HEAD_DIM), dtype),
+            rstd: T.Tensor((rows,), f32),
+            dx: T.Tensor((rows, HEAD_DIM), dtype),
+            group: T.int32,
+        ):
+            backward_rows(dy, x, rstd, dx, group)
+
+        return l2norm_group_backward
+
+    @T.prim_func
+    def l2norm_backward(
+        dy: T.Tensor((rows, HEAD_DIM), dtype),
+        x: T.Tensor((rows, HEAD_DIM), dtype),
+        rstd: T.Tensor((rows,), f32),
+        dx: T.Tensor((rows, HEAD_DIM), dtype),
+    ):
+        backward_rows(dy, x, rstd, dx, 1)
+
     return l2norm_backward
 
 
@@ -125,8 +161,8 @@ def compile_l2norm_forward(dtype: str = "bfloat16", eps: float = EPS):
 
 
 @functools.lru_cache(maxsize=None)
-def compile_l2norm_backward(dtype: str = "bfloat16"):
-    return compile_for_hopper(l2norm_backward_program(dtype))
+def compile_l2norm_backward(dtype: str = "bfloat16", grad_dtype: str | None = None, grouped: bool = False):
+    return compile_for_hopper(l2norm_backward_program(dtype, grad_dtype or dtype, grouped))
 
 
 def l2norm_forward(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,6 +179,20 @@ def l2norm_backward(dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor) -> to
     dx = torch.empty_like(dy)
     if dy.shape[0]:
         compile_l2norm_backward(dtype_name(dy))(dy, x, rstd, dx)
+    return dx
+
+
+def l2norm_group_backward(dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
+    """l2norm_backward of the sum of G gradients of each row (a head group's value heads), summed as they are
+    read: dy [rows * G, 128] contiguous, bf16 or x's dtype, row r's G at r * G ...; dx [rows, 128] in x's dtype.
+    A candidate (never run on a GPU): backward.py sums the group in torch and calls l2norm_backward."""
+    rows = x.shape[0]
+    if dy.shape[0] % max(rows, 1) != 0 or (rows == 0) != (dy.shape[0] == 0):
+        raise ValueError(f"l2norm_group_backward: dy must have a whole number of rows per row of x ({rows}), "
+                         f"got {dy.shape[0]}")
+    dx = torch.empty_like(x)
+    if rows:
+        compile_l2norm_backward(dtype_name(x), dtype_name(dy), grouped=True)(dy, x, rstd, dx, dy.shape[0] // rows)
     return dx
 
 
