@@ -26,7 +26,12 @@ def both_walks(heads, lengths, normalize_qk: bool):
 
     inputs, do, dht = make_backward_inputs(lengths, *heads, True, strong_decay=True)
     q, k = inputs["q"][0], inputs["k"][0]
-    rstds = tuple(l2_normalized(x)[1].view(x.shape[:2]) for x in (q, k)) if normalize_qk else None
+    rstds = None
+    if normalize_qk:  # rows of norms 0.5 to 3, so that r matters
+        generator = torch.Generator(device=q.device).manual_seed(7)
+        q, k = ((x.float() * (0.5 + 2.5 * torch.rand(*x.shape[:2], 1, generator=generator, device=x.device)))
+                .to(x.dtype) for x in (q, k))
+        rstds = tuple(l2_normalized(x)[1].view(x.shape[:2]) for x in (q, k))
     cu = inputs["cu_seqlens"]
     sm_count = device_sm_count(cu.device)
     plan = plan_forward(cu, heads[1], 128, sm_count, MAX_VALUE_BLOCK)
@@ -50,11 +55,16 @@ def test_roles_match_the_walk(case, normalize_qk):
     (walk_ds, walk_dh0), (roles_ds, roles_dh0) = both_walks(*CASES[case], normalize_qk)
     assert torch.isfinite(roles_ds).all() and torch.isfinite(roles_dh0).all()
     assert relative_error(roles_ds, walk_ds) <= 5e-3 and relative_error(roles_dh0, walk_dh0) <= 5e-3
-    worst_chunk = max(relative_error(roles_ds[c, h], walk_ds[c, h])
-                      for c in range(walk_ds.shape[0]) for h in range(walk_ds.shape[1]) if walk_ds[c, h].any())
-    worst_sequence = max(relative_error(roles_dh0[n, h], walk_dh0[n, h])
-                         for n in range(walk_dh0.shape[0]) for h in range(walk_dh0.shape[1]) if walk_dh0[n, h].any())
+    worst_chunk, worst_sequence = (worst_slice(ours, theirs) for ours, theirs in ((roles_ds, walk_ds),
+                                                                                   (roles_dh0, walk_dh0)))
     assert worst_chunk <= 2e-2 and worst_sequence <= 2e-2, (worst_chunk, worst_sequence)
+
+
+def worst_slice(ours: torch.Tensor, theirs: torch.Tensor) -> float:
+    """The largest relative L2 distance over the [K, V] slices (chunk or sequence, head) where theirs is not zero."""
+    difference = (ours.double() - theirs.double()).flatten(2).norm(dim=2)
+    size = theirs.double().flatten(2).norm(dim=2)
+    return float((difference[size > 0] / size[size > 0]).max())
 
 
 def test_roles_are_deterministic():
