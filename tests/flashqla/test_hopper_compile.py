@@ -53,18 +53,30 @@ def test_kernel_spills_no_more_than_its_ceiling(name, build):
     assert spilled <= SPILL_CEILINGS.get(name, 0), f"{name}: {usage}"
 
 
-@pytest.mark.parametrize("value_block", [64, 128])
-def test_fused_forward_is_warp_specialised_without_block_barriers(value_block):
-    """The walk of fused_forward.py: wgmma and TMA; warpgroups that meet only on mbarriers and named
-    partial barriers (a __syncthreads() inside a role would deadlock: the others never reach it), one
-    register budget a role that fits the SM, raised only from and lowered only to the 128 a thread
-    starts with (setmaxnreg.inc / .dec: the other way round is undefined), and no barrier at the top of
-    an unrolled element loop (what TileLang emits for a shared buffer updated in place)."""
+def warp_specialised_kernels():
+    """(name, builder) of the kernels whose roles run on their own warpgroups: the forward walk, the candidate
+    state-gradient walk by roles."""
+    from flashqla.hopper.fused_forward import compile_fused_forward
+    from flashqla.hopper.state_grads_roles import compile_state_grads_roles
+
+    return [(f"fused_forward_{value_block}",
+             lambda value_block=value_block: compile_fused_forward(value_block, store_chunk_states=True,
+                                                                   store_products=True))
+            for value_block in (64, 128)] + [
+            (f"state_grads_roles_{value_block}",
+             lambda value_block=value_block: compile_state_grads_roles(value_block, normalize_qk=True))
+            for value_block in (16, 64)]
+
+
+@pytest.mark.parametrize("name,build", warp_specialised_kernels(), ids=[name for name, _ in warp_specialised_kernels()])
+def test_warp_specialised_kernels_meet_only_on_mbarriers(name, build):
+    """Warpgroups that meet only on mbarriers and named partial barriers (a __syncthreads() inside a role would
+    deadlock: the others never reach it), one register budget a role that fits the SM, raised only from and
+    lowered only to the 128 a thread starts with (setmaxnreg.inc / .dec: the other way round is undefined), and no
+    barrier at the top of an unrolled element loop (what TileLang emits for a shared buffer updated in place)."""
     import re
 
-    from flashqla.hopper.fused_forward import compile_fused_forward
-
-    source = compile_fused_forward(value_block, store_chunk_states=True, store_products=True).get_kernel_source()
+    source = build().get_kernel_source()
     assert source.count("__syncthreads()") == 1, "only the one after the mbarrier init"
     assert source.index("__syncthreads()") < source.index("threadIdx.x) < 128")
     raised = [int(n) for n in re.findall(r"warpgroup_reg_alloc<(\d+)>", source)]
