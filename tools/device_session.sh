@@ -5,6 +5,8 @@
 # Parts:
 #   tests               every GPU test of the suite but the unverified kernels' (pytest -m gpu; the 2-GPU test skips; TEST_PATHS narrows it)
 #   unverified          the GPU tests of kernels not yet run on a GPU, which the public op cannot reach
+#   candidates          unverified, the L2 norm's GPU tests (the group-summing candidate's among them), then
+#                       `compare` of the state-gradient walks and of the norm's backward paths
 #   compare             python -m flashqla.bench --compare: kernel variants side by side (kept forward
 #                       tensors, conv; COMPARE=name,... picks), ratios printed, JSON
 #   bench               python -m flashqla.bench --fwd --bwd --breakdown, ours / FLA / FlashQLA, JSON
@@ -133,6 +135,12 @@ run_part() {
         # the thread method ends the process if a kernel hangs
         step pytest-unverified 360 60 "$PYTHON" -m pytest -m gpu -q -rfE -p no:cacheprovider --timeout=150 \
             --timeout-method=thread "${UNVERIFIED_TESTS[@]}"
+        ;;
+    candidates)
+        run_part unverified
+        step pytest-l2norm 150 30 "$PYTHON" -m pytest -m gpu -q -rfE -p no:cacheprovider --timeout=120 \
+            tests/flashqla/test_l2norm.py
+        COMPARE=state_grads,chunk_grads_l2norm run_part compare
         ;;
     compare)
         step compare 300 60 "$PYTHON" -m flashqla.bench --compare ${COMPARE:-} --json "$OUT/compare.json"
@@ -319,7 +327,7 @@ print("max |difference|", max(abs(losses[0][s] - losses[1][s]) for s in losses[0
             launch/benchmark.sh 0.8B 8192 tilelang ${TP2_OVERRIDES:-}
         ;;
     *)
-        echo "unknown part '$1': tests, tests-model, walk-timeline, unverified, compare, compare-conv, attention, bench, bench-warm, ncu, ncu-source," \
+        echo "unknown part '$1': tests, tests-model, walk-timeline, unverified, candidates, compare, compare-conv, attention, bench, bench-warm, ncu, ncu-source," \
             "train-8k, train-32k, train-32k-compare, train-32k-compare-recompute, train-128k-compare, train-128k-tilelang, train-128k-fla, train-256k, train-384k, train-512k, train-2b, train," \
             "idle, timing-cost, checkpoint-layers, keep-levels, model-bench, model-bench-ab, model-vs-hf," \
             "tp2, tp2-8k" >&2
