@@ -25,10 +25,11 @@ def compile_for_hopper(program, fast_math: bool = False):
     return tilelang.compile(program, target=TARGET, pass_configs=pass_configs)
 
 
-def times_rstd(x, rstd_s, t):
-    """x times the L2 norm's r of row t from the shared array rstd_s (TileLang expressions); x itself where
-    rstd_s is None (no norm): how a kernel folds the norm into a product's row or column factors."""
-    return x if rstd_s is None else x * rstd_s[t]
+def times_rstd(x, rstd_s, *index):
+    """x times the L2 norm's r at `index` of the shared array rstd_s (a row t, or a stage and a row: TileLang
+    expressions); x itself where rstd_s is None (no norm): how a kernel folds the norm into a product's row or
+    column factors."""
+    return x if rstd_s is None else x * rstd_s[index]
 
 
 def dtype_name(tensor: torch.Tensor) -> str:

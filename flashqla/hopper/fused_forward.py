@@ -53,7 +53,7 @@ import tilelang.language as T
 import torch
 
 from flashqla.hopper.chunk_plan import PIECE_FIELDS, chunk_offsets
-from flashqla.hopper.common import CHUNK_SIZE, HEAD_DIM, LOG2E, WARPGROUP, compile_for_hopper, dtype_name
+from flashqla.hopper.common import CHUNK_SIZE, HEAD_DIM, LOG2E, WARPGROUP, compile_for_hopper, dtype_name, times_rstd
 
 _C = CHUNK_SIZE
 _THREADS = 4 * WARPGROUP
@@ -114,13 +114,6 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
                 timeline[cta.index, list(TIMELINE_EVENTS).index(role), c,
                          TIMELINE_EVENTS[role].index(event)] = T.call_extern("int64", "clock64")
 
-    def times_q_rstd(x, sh, stage, t):
-        """x times the L2 norm's r of row t of the stage's q tile (x itself without normalize_qk)."""
-        return x * sh.q_rstd[stage, t] if normalize_qk else x
-
-    def times_k_rstd(x, sh, stage, t):
-        return x * sh.k_rstd[stage, t] if normalize_qk else x
-
     # Each role is a macro: written inline, the branches nest deeper than Python allows.
     @T.macro
     def state_warpgroup(sh, cta, initial_state, final_state, timeline):
@@ -175,7 +168,7 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
             for t in T.Parallel(_C):
                 sh.row_decay[stage, t] = T.exp2(sh.gamma[stage, t])
                 sh.end_decay[stage, t] = T.if_then_else(
-                    t <= last, times_k_rstd(T.exp2(sh.gamma[stage, _C - 1] - sh.gamma[stage, t]), sh, stage, t), 0.0)
+                    t <= last, times_rstd(T.exp2(sh.gamma[stage, _C - 1] - sh.gamma[stage, t]), sh.k_rstd, stage, t), 0.0)
             T.barrier_arrive(sh.decays_ready[stage])
             T.barrier_wait(sh.decays_ready[stage], (c // 2) % 2)
             stamp(timeline, cta, "delta", c, "decays")
@@ -184,7 +177,7 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
             # every element first, the causal mask after: the loads are then unconditional, so each thread
             # reads each gamma and beta it needs once (a masked expression loads under the mask, element by element)
             for t, s in T.Parallel(_C, _C):
-                decayed_ab[t, s] = -sh.row_decay[stage, t] * times_k_rstd(sh.beta[stage, s], sh, stage, s) * decayed_ab[t, s]
+                decayed_ab[t, s] = -sh.row_decay[stage, t] * times_rstd(sh.beta[stage, s], sh.k_rstd, stage, s) * decayed_ab[t, s]
             for t, s in T.Parallel(_C, _C):
                 decayed_ab[t, s] = T.Select(s <= t, decayed_ab[t, s], T.cast(0, dtype))
             stamp(timeline, cta, "delta", c, "neg_ab_d")
@@ -236,8 +229,8 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
             # gamma loads behind it (the compiler cannot tell the buffers apart: 3.3k cycles of a 7k chunk).
             # Every element first, the causal mask after, so the loads are unconditional. ab takes qk's layout.
             for t, s in T.Parallel(_C, _C):
-                qk[t, s] = T.exp2(sh.gamma[stage, t] - sh.gamma[stage, s]) * times_k_rstd(
-                    times_q_rstd(cta.scale, sh, stage, t), sh, stage, s) * qk[t, s]
+                qk[t, s] = T.exp2(sh.gamma[stage, t] - sh.gamma[stage, s]) * times_rstd(
+                    times_rstd(cta.scale, sh.q_rstd, stage, t), sh.k_rstd, stage, s) * qk[t, s]
                 ab[t, s] = T.exp2(sh.gamma[stage, t] - sh.gamma[stage, s]) * sh.beta[stage, s] * ab[t, s]
             for t, s in T.Parallel(_C, _C):
                 qk[t, s] = T.Select(s <= t, qk[t, s], 0.0)
@@ -261,7 +254,7 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
             T.barrier_wait(sh.decays_ready[stage], (c // 2) % 2)
             stamp(timeline, cta, "output", c, "decays")
             for t, j in T.Parallel(_C, BV):
-                out[t, j] = out[t, j] * (sh.row_decay[stage, t] * times_q_rstd(cta.scale, sh, stage, t))
+                out[t, j] = out[t, j] * (sh.row_decay[stage, t] * times_rstd(cta.scale, sh.q_rstd, stage, t))
             T.barrier_wait(sh.delta_ready[stage], (c // 2) % 2)
             stamp(timeline, cta, "output", c, "delta_ready")
             T.gemm(sh.p[stage, :, :], sh.delta, out)

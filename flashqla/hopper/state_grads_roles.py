@@ -34,7 +34,7 @@ import tilelang.language as T
 import torch
 
 from flashqla.hopper.chunk_plan import PIECE_FIELDS
-from flashqla.hopper.common import CHUNK_SIZE, HEAD_DIM, LOG2E, WARPGROUP, compile_for_hopper
+from flashqla.hopper.common import CHUNK_SIZE, HEAD_DIM, LOG2E, WARPGROUP, compile_for_hopper, times_rstd
 
 _C = CHUNK_SIZE
 _THREADS = 4 * WARPGROUP
@@ -62,10 +62,6 @@ def state_grads_roles_program(value_block: int = 64, normalize_qk: bool = False)
     f32 = "float32"
     loader_threads = 2 * 32  # the two loading warps arrive on tiles_full
     reader_threads = 3 * WARPGROUP  # every math thread arrives on tiles_free
-
-    def r_of(rows, stage, t):
-        """The L2 norm's r of row t in this stage (1 without normalize_qk)."""
-        return rows[stage, t] if normalize_qk else 1.0
 
     @T.macro
     def state_role(sh, cta, dht, dh0):
@@ -122,9 +118,9 @@ def state_grads_roles_program(value_block: int = 64, normalize_qk: bool = False)
             # each row's factors once (an exponential a row, not one an element)
             for t in T.Parallel(_C):
                 sh.ek_rows[t] = T.if_then_else(
-                    t <= last, T.exp2(sh.gamma[stage, _C - 1] - sh.gamma[stage, t]) * r_of(sh.k_rstd, stage, t), 0.0)
-                sh.m_columns[t] = -T.exp2(sh.gamma[stage, t]) * r_of(sh.k_rstd, stage, t)
-                sh.dog_rows[t] = T.if_then_else(t <= last, scale * T.exp2(sh.gamma[stage, t]) * r_of(sh.q_rstd, stage, t),
+                    t <= last, times_rstd(T.exp2(sh.gamma[stage, _C - 1] - sh.gamma[stage, t]), sh.k_rstd, stage, t), 0.0)
+                sh.m_columns[t] = times_rstd(-T.exp2(sh.gamma[stage, t]), sh.k_rstd, stage, t)
+                sh.dog_rows[t] = T.if_then_else(t <= last, times_rstd(scale * T.exp2(sh.gamma[stage, t]), sh.q_rstd, stage, t),
                                                 0.0)
             for t, i in T.Parallel(_C, K):
                 sh.ek[stage, t, i] = T.cast(sh.ek_rows[t] * T.cast(sh.k[stage, t, i], f32), op)
