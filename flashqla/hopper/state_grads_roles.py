@@ -111,10 +111,16 @@ def state_grads_roles_program(value_block: int = 64, normalize_qk: bool = False)
     def prep_role(sh, cta, scale):
         """E K, M over Ab, dOg and dO_m over dO: every factor of a row or column in the operands."""
         T.set_max_nreg(_MATH_REGISTERS, 1)
+        # Ab and dO are rewritten in place through registers, read whole before any write: an element loop that
+        # reads and writes one shared buffer gets a barrier in every iteration from TileLang (fused_forward.py)
+        ab = T.alloc_fragment((_C, _C), f32)
+        do = T.alloc_fragment((_C, BV), f32)
         for c in T.serial(cta.n_chunks):
             stage = c % 2
             last = T.min(cta.eos - cta.chunk_start(c), _C) - 1
             T.barrier_wait(sh.tiles_full[stage], (c // 2) % 2)
+            T.copy(sh.ab[stage, :, :], ab)
+            T.copy(sh.do[stage, :, :], do)
             # each row's factors once (an exponential a row, not one an element)
             for t in T.Parallel(_C):
                 sh.ek_rows[t] = T.if_then_else(
@@ -125,10 +131,13 @@ def state_grads_roles_program(value_block: int = 64, normalize_qk: bool = False)
             for t, i in T.Parallel(_C, K):
                 sh.ek[stage, t, i] = T.cast(sh.ek_rows[t] * T.cast(sh.k[stage, t, i], f32), op)
             for t, s in T.Parallel(_C, _C):
-                sh.ab[stage, t, s] = T.cast(sh.m_columns[s] * T.cast(sh.ab[stage, t, s], f32), op)
+                ab[t, s] = sh.m_columns[s] * ab[t, s]
+            T.copy(ab, sh.ab[stage, :, :])
             for t, j in T.Parallel(_C, BV):
-                sh.dog[stage, t, j] = T.cast(sh.dog_rows[t] * T.cast(sh.do[stage, t, j], f32), op)
-                sh.do[stage, t, j] = T.if_then_else(t <= last, sh.do[stage, t, j], T.cast(0, op))
+                sh.dog[stage, t, j] = T.cast(sh.dog_rows[t] * do[t, j], op)
+            for t, j in T.Parallel(_C, BV):
+                do[t, j] = T.if_then_else(t <= last, do[t, j], 0.0)
+            T.copy(do, sh.do[stage, :, :])
             if T.get_thread_binding() == 2 * WARPGROUP:
                 sh.chunk_decay[stage] = T.exp2(sh.gamma[stage, _C - 1])
             T.fence_proxy_async()
