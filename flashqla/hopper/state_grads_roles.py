@@ -33,6 +33,7 @@ from types import SimpleNamespace
 import tilelang.language as T
 import torch
 
+from flashqla.hopper.backward_state_grads import walk_operands
 from flashqla.hopper.chunk_plan import PIECE_FIELDS
 from flashqla.hopper.common import CHUNK_SIZE, HEAD_DIM, LOG2E, WARPGROUP, compile_for_hopper, times_rstd
 
@@ -277,20 +278,13 @@ def state_gradients_by_roles(q, k, gamma, gated_inverse, scores, do, dht, scale,
         raise ValueError("state_gradients_by_roles: pass pieces and walk_end together, or neither")
     num_v_heads = do.shape[1]
     num_sequences = cu_seqlens.numel() - 1
-    device = q.device
-    grads = torch.empty(max(num_chunks, 1), num_v_heads, HEAD_DIM, HEAD_DIM, dtype=torch.bfloat16, device=device)
-    dh0 = torch.empty(num_sequences, num_v_heads, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=device)
+    grads, dh0, rstd_operands = walk_operands(q, do, cu_seqlens, num_chunks, rstds)
     if pieces is None:  # (sequence, start, end, ends it) per sequence, walked from its end
         bounds = cu_seqlens.to(torch.int32)
-        index = torch.arange(num_sequences, dtype=torch.int32, device=device)
+        index = torch.arange(num_sequences, dtype=torch.int32, device=q.device)
         pieces = torch.stack([index, bounds[:-1], bounds[1:], torch.ones_like(index)], 1).contiguous()
         walk_end = bounds[1:, None].expand(num_sequences, num_v_heads).contiguous()
-    normalize_qk = rstds is not None
-    if not normalize_qk:  # unread
-        rstds = (torch.empty(1, num_v_heads, dtype=torch.float32, device=device),) * 2
-    elif num_v_heads != q.shape[1]:
-        rstds = tuple(rstd.repeat_interleave(num_v_heads // q.shape[1], dim=1) for rstd in rstds)
-    compile_state_grads_roles(value_block, normalize_qk)(
-        q, k, gamma, gated_inverse, scores, do, dht, cu_seqlens, offsets, grads, dh0, pieces, walk_end, *rstds,
-        float(scale))
+    compile_state_grads_roles(value_block, rstds is not None)(
+        q, k, gamma, gated_inverse, scores, do, dht, cu_seqlens, offsets, grads, dh0, pieces, walk_end,
+        *rstd_operands, float(scale))
     return grads, dh0
