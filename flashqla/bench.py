@@ -63,16 +63,19 @@ DIFFERENTIABLE_INPUTS = ("q", "k", "v", "g", "beta", "initial_state")
 KEEP_CHOICES = {str(value).lower(): value for value in KEEP_FOR_BACKWARD}
 
 
-# The GDN layers of the models we train: 0.8B and 2B (16/16 heads), and the same at tp = 2 (8/8).
+# The GDN layers of the models we train: 0.8B and 2B (16/16 heads), the same at tp = 2 (8/8), and 4B and 9B
+# (16/32: grouped value heads).
 MODEL_SHAPES = [("16/16 1x32768", (16, 16), [32768]), ("16/16 1x131072", (16, 16), [131072]),
-                ("8/8 1x131072", (8, 8), [131072])]
+                ("8/8 1x131072", (8, 8), [131072]), ("16/32 1x65536", (16, 32), [65536])]
+# The bench's long rows besides its 33 shapes: the 0.8B model's layer at 128k, alone and at tp = 2.
+LONG_SHAPES = [("16/16 1x131072", (16, 16), [131072]), ("8/8 1x131072", (8, 8), [131072])]
 
 
 def bench_shapes() -> list[tuple[str, tuple[int, int], list[int]]]:
     shapes = [(f"{a}/{b} {length}", (a, b), lens)
               for (a, b) in HEAD_LAYOUTS.values() for length, lens in LENGTHS.items()]
     shapes.append(("2/8 1x131072", (2, 8), [131072]))
-    return shapes + MODEL_SHAPES[1:]
+    return shapes + LONG_SHAPES
 
 
 def make_inputs(heads: tuple[int, int], seq_lens: list[int], seed: int = 0, like_the_model: bool = False,
@@ -227,8 +230,9 @@ def forward_breakdown(inputs: dict, rep_ms: int, like_the_model: bool = False) -
 def backward_breakdown(inputs: dict, rep_ms: int, like_the_model: bool = False) -> dict:
     """Median ms of each stage of our backward given the kept forward: the warm-up ends of the
     pieces, the state-gradient walk, the chunk gradients (with like_the_model, the L2 norm's
-    backward in their epilogues), the dq/dk sums over each value-head group, and the walk that
-    "products" adds (the chunk states rebuilt)."""
+    backward in their epilogues where the heads are not grouped), dq's sum over each value-head group
+    (with like_the_model, in the norm's backward kernel), and the walk that "products" adds (the chunk
+    states rebuilt)."""
     from triton.testing import do_bench
 
     from flashqla.hopper.backward import MAX_VALUE_BLOCK, state_gradient_walk, sum_over_groups
@@ -237,6 +241,7 @@ def backward_breakdown(inputs: dict, rep_ms: int, like_the_model: bool = False) 
     from flashqla.hopper.chunk_plan import plan_forward
     from flashqla.hopper.forward import forward, walk_chunks
     from flashqla.hopper.fused_forward import MAX_VALUE_BLOCK as FORWARD_MAX_VALUE_BLOCK
+    from flashqla.hopper.l2norm import l2norm_backward
     from flashqla.hopper.walk_bounds import walk_bounds
 
     q, k, v, g, beta, rstds = _breakdown_operands(inputs, like_the_model)
@@ -276,7 +281,10 @@ def backward_breakdown(inputs: dict, rep_ms: int, like_the_model: bool = False) 
     }
     if plan.max_walk_back > 0:
         stages["walk_ends"] = lambda: walk_bounds(gamma, plan.pieces, cu, ahead=True)
-    if num_v_heads > num_qk_heads:
+    if num_v_heads > num_qk_heads and rstds is not None:
+        stages["l2norm_group_sum"] = lambda: l2norm_backward(dq_head.view(-1, 128), q.reshape(-1, 128),
+                                                              rstds[0].reshape(-1))
+    elif num_v_heads > num_qk_heads:
         stages["group_sum"] = lambda: sum_over_groups(dq_head, num_qk_heads, q.dtype)
     return {name: do_bench(fn, warmup=10, rep=rep_ms, return_mode="median") for name, fn in stages.items()}
 
@@ -418,13 +426,14 @@ def _normalised_chunk_gradient_arguments(heads, seq_lens):
 
 
 def compare_chunk_grads_l2norm(rep_ms: int):
-    """The chunk gradients followed by the L2 norm's backward kernel of dq and dk against the chunk
-    gradients that apply the norm's backward in their epilogues (`chunk_grads_program(l2norm_backward=True)`),
-    the group sum over value heads in both: what backward.py chooses between by head layout.
-    Raises where another variant's dq, dk are more than 1e-2 (relative L2) from the separate path's."""
+    """The chunk gradients followed by the L2 norm's backward kernel, which sums each head group as it reads
+    it, against the chunk gradients that apply the norm's backward in their epilogues
+    (`chunk_grads_program(l2norm_backward=True)`) and sum the group in torch: what backward.py chooses
+    between by head layout. Raises where the epilogues' dq, dk are more than 1e-2 (relative L2) from the
+    norm kernel's."""
     from flashqla.hopper.backward import sum_over_groups
     from flashqla.hopper.backward_chunk_grads import chunk_gradients
-    from flashqla.hopper.l2norm import l2norm_backward, l2norm_group_backward
+    from flashqla.hopper.l2norm import l2norm_backward
     from flashqla.testing import relative_error
 
     for name, heads, seq_lens in (("16/16 1x32768", (16, 16), [32768]), ("16/16 1x131072", (16, 16), [131072]),
@@ -433,32 +442,21 @@ def compare_chunk_grads_l2norm(rep_ms: int):
         args, (q_rstd, k_rstd) = _normalised_chunk_gradient_arguments(heads, seq_lens)
         num_qk_heads = heads[0]
 
-        def group_sum(grad):
-            return sum_over_groups(grad, num_qk_heads, torch.bfloat16)
-
-        def separate():
+        def norm_kernel():
             dq, dk = chunk_gradients(**args, q_rstd=q_rstd, k_rstd=k_rstd, l2norm_backward=False)[:2]
-            return [l2norm_backward(group_sum(grad).reshape(-1, 128), args[n].reshape(-1, 128), r.reshape(-1))
+            return [l2norm_backward(grad.reshape(-1, 128), args[n].reshape(-1, 128), r.reshape(-1))
                     .view(-1, num_qk_heads, 128) for grad, n, r in ((dq, "q", q_rstd), (dk, "k", k_rstd))]
 
-        def fused():
+        def epilogues():
             dq, dk = chunk_gradients(**args, q_rstd=q_rstd, k_rstd=k_rstd)[:2]
-            return [group_sum(dq), group_sum(dk)]
+            return [sum_over_groups(grad, num_qk_heads, torch.bfloat16) for grad in (dq, dk)]
 
-        def group_in_norm():  # the candidate: the norm's backward sums each group as it reads it
-            dq, dk = chunk_gradients(**args, q_rstd=q_rstd, k_rstd=k_rstd, l2norm_backward=False)[:2]
-            return [l2norm_group_backward(grad.reshape(-1, 128), args[n].reshape(-1, 128), r.reshape(-1))
-                    .view(-1, num_qk_heads, 128) for grad, n, r in ((dq, "q", q_rstd), (dk, "k", k_rstd))]
-
-        variants = {"separate": separate, "fused": fused, "group in the norm": group_in_norm}
-        expected = separate()
-        for variant, fn in list(variants.items())[1:]:
-            for label, a, b in zip(("dq", "dk"), expected, fn()):
-                error = float(relative_error(b, a))
-                if not error <= 1e-2:  # also catches NaN
-                    raise AssertionError(f"chunk_grads_l2norm {name}: {variant}'s {label} is {error:.2e} from "
-                                         "the separate path's")
-        yield name, {variant: _median_ms(fn, rep_ms) for variant, fn in variants.items()}
+        for label, a, b in zip(("dq", "dk"), norm_kernel(), epilogues()):
+            error = float(relative_error(b, a))
+            if not error <= 1e-2:  # also catches NaN
+                raise AssertionError(f"chunk_grads_l2norm {name}: the epilogues' {label} is {error:.2e} from "
+                                     "the norm kernel's")
+        yield name, {"norm kernel": _median_ms(norm_kernel, rep_ms), "epilogues": _median_ms(epilogues, rep_ms)}
 
 
 # The chunks' gate-free inverse at the bench's large shapes and the models' (the stage FlashQLA also runs alone).
@@ -540,51 +538,13 @@ def compare_forward_walk(rep_ms: int):
         yield f"{name} (V block {plan.value_block})", times
 
 
-def compare_state_grads(rep_ms: int):
-    """The state-gradient walk (backward_state_grads.py) against the candidate split by role
-    (state_grads_roles.py), on the backward's plan and the forward's kept tensors, as the model calls the op
-    (q, k normalised in the kernels). Raises unless the two agree within bf16 rounding (they round different
-    operands)."""
-    from flashqla.hopper.backward import MAX_VALUE_BLOCK, state_gradient_walk
-    from flashqla.hopper.backward_state_grads import state_gradients
-    from flashqla.hopper.chunk_plan import plan_forward
-    from flashqla.hopper.forward import forward
-    from flashqla.hopper.state_grads_roles import state_gradients_by_roles
-    from flashqla.testing import relative_error
-
-    shapes = [("16/64 1x32768", (16, 64), [32768]), ("16/64 8192x4", (16, 64), [8192] * 4),
-              ("2/8 1x32768", (2, 8), [32768]), ("2/8 1x131072", (2, 8), [131072]),
-              ("16/16 1x131072", (16, 16), [131072]), ("8/8 1x131072", (8, 8), [131072])]
-    for name, (num_qk_heads, num_v_heads), seq_lens in shapes:
-        inputs = make_inputs((num_qk_heads, num_v_heads), seq_lens, like_the_model=True)
-        q, k, v, g, beta, rstds = _breakdown_operands(inputs, like_the_model=True)
-        cu = inputs["cu_seqlens"]
-        sm_count = torch.cuda.get_device_properties().multi_processor_count
-        plan = plan_forward(cu, num_v_heads, 128, sm_count, MAX_VALUE_BLOCK)
-        _, _, kept, *_ = forward(q[None], k[None], v[None], g[None], beta[None], 128 ** -0.5, None, False, cu,
-                                 keep_for_backward=True, normalize_qk=True)
-        do = torch.randn_like(v)
-        dht = torch.zeros(cu.numel() - 1, num_v_heads, 128, 128, device=v.device)
-        args = (q, k, kept.gamma, kept.gated_inverse, kept.scores, do, dht, 128 ** -0.5, cu, plan.chunk_offsets,
-                plan.chunk_index.shape[0])
-        walk = state_gradient_walk(plan, kept.gamma, cu, cu.tolist(), num_v_heads, sm_count)
-        variants = {"walk": lambda: state_gradients(*args, **walk, rstds=rstds),
-                    "by roles": lambda: state_gradients_by_roles(*args, **walk, rstds=rstds)}
-        (walk_ds, walk_dh0), (roles_ds, roles_dh0) = variants["walk"](), variants["by roles"]()
-        errors = (float(relative_error(roles_ds, walk_ds)), float(relative_error(roles_dh0, walk_dh0)))
-        if not max(errors) <= 1e-2:
-            raise AssertionError(f"state_grads {name}: by roles differs from the walk (dS, dh0 relative errors {errors})")
-        yield f"{name} (V block {walk['value_block']})", {label: _median_ms(fn, rep_ms) for label, fn in variants.items()}
-
-
 # fused_forward's switches of the walk's candidates, timed by --compare forward_walk (none now: the last ones,
 # Ab on warpgroup 2 from P's Gm with Ab and P stored first, became the walk; docs/kernel-notes.md)
 WALK_CANDIDATES: dict[str, dict] = {}
 
 
 COMPARISONS = {"keep_forward": compare_keep_forward, "conv": compare_conv, "inverse": compare_inverse,
-               "chunk_grads_l2norm": compare_chunk_grads_l2norm, "forward_walk": compare_forward_walk,
-               "state_grads": compare_state_grads}
+               "chunk_grads_l2norm": compare_chunk_grads_l2norm, "forward_walk": compare_forward_walk}
 
 
 def run_comparisons(names: list[str], rep_ms: int, json_path: str | None) -> None:

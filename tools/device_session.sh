@@ -5,8 +5,6 @@
 # Parts:
 #   tests               every GPU test of the suite but the unverified kernels' (pytest -m gpu; the 2-GPU test skips; TEST_PATHS narrows it)
 #   unverified          the GPU tests of kernels not yet run on a GPU, which the public op cannot reach
-#   candidates          unverified, the L2 norm's GPU tests (the group-summing candidate's among them), then
-#                       `compare` of the state-gradient walks and of the norm's backward paths
 #   compare             python -m flashqla.bench --compare: kernel variants side by side (kept forward
 #                       tensors, conv; COMPARE=name,... picks), ratios printed, JSON
 #   bench               python -m flashqla.bench --fwd --bwd --breakdown, ours / FLA / FlashQLA, JSON
@@ -79,7 +77,7 @@ mkdir -p "$TRITON_CACHE_DIR"
 SUMMARY=()
 # Test files of kernels not yet run on a GPU (reachable only through internal arguments); once they
 # pass on the device, their file leaves this list and runs in `tests`.
-UNVERIFIED_TESTS=(tests/flashqla/test_hopper_state_grads_roles.py)
+UNVERIFIED_TESTS=()
 
 left() { echo $((BUDGET_S - (SECONDS - STARTED))); }
 
@@ -135,12 +133,6 @@ run_part() {
         # the thread method ends the process if a kernel hangs
         step pytest-unverified 360 60 "$PYTHON" -m pytest -m gpu -q -rfE -p no:cacheprovider --timeout=150 \
             --timeout-method=thread "${UNVERIFIED_TESTS[@]}"
-        ;;
-    candidates)
-        run_part unverified
-        step pytest-l2norm 150 30 "$PYTHON" -m pytest -m gpu -q -rfE -p no:cacheprovider --timeout=120 \
-            tests/flashqla/test_l2norm.py
-        COMPARE=state_grads,chunk_grads_l2norm run_part compare
         ;;
     compare)
         step compare 300 60 "$PYTHON" -m flashqla.bench --compare ${COMPARE:-} --json "$OUT/compare.json"

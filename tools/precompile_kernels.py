@@ -166,12 +166,10 @@ def compile_walks() -> None:
     """The forward walk (flashqla/hopper/fused_forward.py) and the inverse (inverse.py) in every
     specialisation the tests and the training runs reach (head counts and lengths are run-time
     arguments of both): V blocks, dtypes, and what the walk stores; the state-only walk
-    (chunk_states.py) as the tests call it; the candidate state-gradient walk by roles (state_grads_roles.py) in
-    every V block the backward's plan picks."""
+    (chunk_states.py) as the tests call it."""
     from flashqla.hopper.chunk_states import compile_chunk_states
     from flashqla.hopper.fused_forward import compile_fused_forward
     from flashqla.hopper.inverse import compile_inverse
-    from flashqla.hopper.state_grads_roles import compile_state_grads_roles
 
     started = time.time()
     # (states, products) stored: none (no autograd), everything, all but the states, and the states
@@ -191,9 +189,6 @@ def compile_walks() -> None:
     for value_block in (64, 128):  # tools/walk_timeline.py: the recording walk, storing everything or nothing
         for stored in (True, False):
             compile_fused_forward(value_block, "bfloat16", "float32", 128, stored, stored, record_timeline=True)
-    for value_block in (16, 32, 64):
-        for normalize_qk in (False, True):
-            compile_state_grads_roles(value_block, normalize_qk)
     print(f"ours, walks: {time.time() - started:.0f} s", flush=True)
 
 
@@ -310,8 +305,7 @@ def main(argv=None) -> None:
                     compile_conv_backward(conv_dtype, lanes=lanes)
             compile_l2norm_forward("float16")  # tests/flashqla/test_l2norm.py, the hard inputs' fp16 case
             compile_l2norm_backward("float16")
-            for rows_dtype in ("bfloat16", "float16"):  # the candidate summing a head group's bf16 gradients
-                compile_l2norm_backward(rows_dtype, "bfloat16", grouped=True)
+            compile_l2norm_backward("float16", "bfloat16")  # the op's float16 rows: bf16 gradients from the kernels
         if "hard" in sets:
             for heads, lens, with_h0 in HARD_CASES:
                 compile_ours([(f"hard {heads[0]}/{heads[1]} {lens}", heads, lens)], with_initial_state=with_h0)

@@ -9,8 +9,8 @@
    its end (walk_bounds.py, docs/gdn-math.md §4).
 3. Every chunk in parallel: dq, dk, dv, dg, dbeta (backward_chunk_grads.py; §3.2-3.3), and the
    backward of the q/k L2 norm when the forward applied it.
-dq and dk come per value head and are summed over each head group in torch, which keeps the
-result deterministic (no atomics).
+dq and dk come per value head and are summed over each head group in one deterministic pass (no
+atomics): in the L2 norm's backward kernel when the forward applied the norm, else in torch.
 """
 
 import torch
@@ -110,19 +110,19 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seq
     walk = state_gradient_walk(plan, gamma, cu_seqlens, cu_seqlens_host, num_v_heads, sm_count, log_decay_threshold)
     state_grads, dh0 = state_gradients(q_flat, k_flat, gamma, gated_inverse, scores, do_flat, dht, scale,
                                        cu_seqlens, offsets, chunk_index.shape[0], **walk, rstds=kernel_rstds)
-    # The kernel's epilogues apply the norm's backward per value head: for a group of them that is
-    # the same rows' work repeated, and slower than once after the group sum (bench --compare
-    # chunk_grads_l2norm: 1.06-1.07x at 16/16 and 8/8, 0.93x at 16/64).
+    # The kernel's epilogues apply the norm's backward per value head: for a group of them that is the same
+    # rows' work repeated. The norm's kernel sums the group as it reads it instead (bench --compare
+    # chunk_grads_l2norm: 1.07-1.20x over the epilogues at 16/32-16/64, the epilogues 1.20x over it at 16/16, 8/8).
     norm_in_kernel = kernel_rstds is not None and num_v_heads == num_qk_heads
     dq_head, dk_head, dv, dg, dbeta = chunk_gradients(
         q_flat, k_flat, v_flat, gamma, beta_flat, inverse, states, state_grads, do_flat, scale, plan.chunk_bounds,
         **({} if kernel_rstds is None else dict(q_rstd=kernel_rstds[0], k_rstd=kernel_rstds[1],
                                                  l2norm_backward=norm_in_kernel)))
-
-    dq, dk = (sum_over_groups(grad, num_qk_heads, q.dtype) for grad in (dq_head, dk_head))
     if rstds is not None and not norm_in_kernel:
-        dq, dk = (l2norm_backward(grad.to(q.dtype).reshape(-1, HEAD_DIM), x.reshape(-1, HEAD_DIM), rstd)
-                  for grad, x, rstd in ((dq, q, q_rstd), (dk, k, k_rstd)))
+        dq, dk = (l2norm_backward(grad.view(-1, HEAD_DIM), x.reshape(-1, HEAD_DIM), rstd)
+                  for grad, x, rstd in ((dq_head, q, q_rstd), (dk_head, k, k_rstd)))
+    else:
+        dq, dk = (sum_over_groups(grad, num_qk_heads, q.dtype) for grad in (dq_head, dk_head))
     return (
         dq.view(q.shape).to(q.dtype),
         dk.view(k.shape).to(k.dtype),

@@ -196,26 +196,18 @@ def state_gradients(q, k, gamma, gated_inverse, scores, do, dht, scale, cu_seqle
     if (pieces is None) != (walk_end is None):
         raise ValueError("state_gradients: pass pieces and walk_end together, or neither")
     num_v_heads = do.shape[1]
-    grads, dh0, rstd_operands = walk_operands(q, do, cu_seqlens, num_chunks, rstds)
+    grads = torch.empty(max(num_chunks, 1), num_v_heads, HEAD_DIM, HEAD_DIM, dtype=torch.bfloat16, device=q.device)
+    dh0 = torch.empty(cu_seqlens.numel() - 1, num_v_heads, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=q.device)
+    if rstds is None:  # placeholders, never read
+        rstds = (torch.empty(1, num_v_heads, dtype=torch.float32, device=q.device),) * 2
+    elif num_v_heads != q.shape[1]:
+        rstds = tuple(rstd.repeat_interleave(num_v_heads // q.shape[1], dim=1) for rstd in rstds)
     with_pieces = pieces is not None
     if not with_pieces:  # placeholders, unread by the whole-sequence kernel
         pieces = torch.zeros(1, PIECE_FIELDS, dtype=torch.int32, device=q.device)
         walk_end = torch.zeros(1, num_v_heads, dtype=torch.int32, device=q.device)
     compile_state_grads(value_block, with_pieces, rstds is not None)(
         q, k, gamma, gated_inverse, scores, do, dht, cu_seqlens, offsets, grads, dh0, pieces, walk_end,
-        *rstd_operands, float(scale))
+        *rstds, float(scale))
     return grads, dh0
 
-
-def walk_operands(q, do, cu_seqlens, num_chunks: int, rstds: tuple | None):
-    """What a state-gradient walk kernel takes besides the inputs: its outputs (dS leaving every chunk, bf16
-    [num_chunks, Hv, 128, 128]; dh0, float32 [N, Hv, 128, 128]) and the norm's r of q and k by value head
-    (repeated over each head group; a placeholder pair, never read, without the norm)."""
-    num_v_heads = do.shape[1]
-    grads = torch.empty(max(num_chunks, 1), num_v_heads, HEAD_DIM, HEAD_DIM, dtype=torch.bfloat16, device=q.device)
-    dh0 = torch.empty(cu_seqlens.numel() - 1, num_v_heads, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=q.device)
-    if rstds is None:
-        rstds = (torch.empty(1, num_v_heads, dtype=torch.float32, device=q.device),) * 2
-    elif num_v_heads != q.shape[1]:
-        rstds = tuple(rstd.repeat_interleave(num_v_heads // q.shape[1], dim=1) for rstd in rstds)
-    return grads, dh0, rstds

@@ -22,7 +22,6 @@ from flashqla.hopper.chunk_states import compile_chunk_states
 from flashqla.hopper.fused_forward import compile_fused_forward
 from flashqla.hopper.inverse import compile_inverse
 from flashqla.hopper.l2norm import compile_l2norm_backward, compile_l2norm_forward
-from flashqla.hopper.state_grads_roles import compile_state_grads_roles
 from flashqla.hopper.walk_bounds import compile_walk_bounds
 
 COMPILE_CHECKS = [
@@ -36,8 +35,6 @@ COMPILE_CHECKS = [
     ("backward_state_grads", lambda: compile_state_grads(32)),
     ("backward_state_grads_pieces", lambda: compile_state_grads(64, pieces=True)),
     ("backward_state_grads_normalizing_qk", lambda: compile_state_grads(64, pieces=True, normalize_qk=True)),
-    ("state_grads_roles", lambda: compile_state_grads_roles(64)),
-    ("state_grads_roles_normalizing_qk", lambda: compile_state_grads_roles(16, normalize_qk=True)),
     ("backward_chunk_grads", compile_chunk_grads),
     ("backward_chunk_grads_normalizing_qk", lambda: compile_chunk_grads(normalize_qk=True)),
     ("backward_chunk_grads_l2norm", lambda: compile_chunk_grads(normalize_qk=True, l2norm_backward=True)),
@@ -49,7 +46,7 @@ COMPILE_CHECKS = [
     ("walk_ends", lambda: compile_walk_bounds(True)),
     ("l2norm_forward", lambda: compile_l2norm_forward("bfloat16")),
     ("l2norm_backward", lambda: compile_l2norm_backward("bfloat16")),
-    ("l2norm_group_backward", lambda: compile_l2norm_backward("float16", "bfloat16", grouped=True)),
+    ("l2norm_backward_float16", lambda: compile_l2norm_backward("float16", "bfloat16")),
 ]
 
 

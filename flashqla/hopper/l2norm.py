@@ -4,8 +4,8 @@ y = x * r with r = (sum(x^2) + eps)^(-1/2) over the last dim, in float32 and rou
 gradient dx = r * (dy - y * sum(y * dy)), which needs x and r (4 bytes a row): y is made again from them,
 the same bits. The op makes r inside the inverse's kernel (inverse.py, normalize_qk, the same arithmetic
 and bits) and never writes y: the forward here is its reference and the bench's unfused stage. The
-backward runs here for grouped value heads, else inside the chunk-gradient kernel's epilogues
-(backward.py says why).
+backward runs here for grouped value heads, summing each group's gradients as it reads them, and for
+float16 inputs; else inside the chunk-gradient kernel's epilogues (backward.py says why).
 
 Rows of 128 elements; 16 threads a row, each with 8 neighbouring elements (one 16-byte load), so a
 warp reads two whole rows per instruction and a row's sum is four xor-shuffles inside its 16 lanes.
@@ -78,17 +78,23 @@ def l2norm_forward_program(dtype: str, eps: float):
     return l2norm_forward
 
 
-def l2norm_backward_program(dtype: str, grad_dtype: str, grouped: bool = False):
-    """grouped: dy holds `group` rows for each row of x (run-time; a head group's value heads, row r's at
+def l2norm_backward_program(dtype: str, grad_dtype: str):
+    """dy holds `group` rows for each row of x (run-time, >= 1: a head group's value heads, row r's at
     r * group ...), in grad_dtype; they are summed in float32, in order, before the norm's backward, so a
-    grouped layout's gradient is read once and rounded once. Without it the kernel is the one-row-each form."""
+    grouped layout's gradient is read once and rounded once."""
     rows = T.dynamic("rows")
-    grad_rows = T.dynamic("grad_rows") if grouped else rows
+    grad_rows = T.dynamic("grad_rows")
     f32 = "float32"
     step = _THREADS // _LANES
 
-    @T.macro
-    def backward_rows(dy, x, rstd, dx, group):
+    @T.prim_func
+    def l2norm_backward(
+        dy: T.Tensor((grad_rows, HEAD_DIM), grad_dtype),
+        x: T.Tensor((rows, HEAD_DIM), dtype),
+        rstd: T.Tensor((rows,), f32),
+        dx: T.Tensor((rows, HEAD_DIM), dtype),
+        group: T.int32,
+    ):
         with T.Kernel(T.ceildiv(rows, ROWS_PER_CTA), threads=_THREADS) as block:
             tx = T.get_thread_binding()
             col = (tx % _LANES) * _VECTOR
@@ -97,25 +103,19 @@ def l2norm_backward_program(dtype: str, grad_dtype: str, grouped: bool = False):
             normalised = T.alloc_local((_PASSES, _VECTOR), f32)
             row_rstd = T.alloc_local((_PASSES,), f32)
             dot = T.alloc_local((_PASSES,), f32)
-            if grouped:
-                member = T.alloc_local((_PASSES, _VECTOR), f32)
+            member = T.alloc_local((_PASSES, _VECTOR), f32)
+            for p in T.unroll(_PASSES):
+                _load_row(normalised, x, p, first, col, rows, step)
+                row_rstd[p] = rstd[T.min(first + p * step, rows - 1)]
+                for j in T.unroll(_VECTOR):
+                    upstream[p, j] = 0.0
+            for m in T.serial(group):  # each member's rows of all passes in flight together
                 for p in T.unroll(_PASSES):
-                    _load_row(normalised, x, p, first, col, rows, step)
-                    row_rstd[p] = rstd[T.min(first + p * step, rows - 1)]
+                    for j in T.vectorized(_VECTOR):
+                        member[p, j] = T.cast(dy[T.min(first + p * step, rows - 1) * group + m, col + j], f32)
+                for p in T.unroll(_PASSES):
                     for j in T.unroll(_VECTOR):
-                        upstream[p, j] = 0.0
-                for m in T.serial(group):  # each member's rows of all passes in flight together
-                    for p in T.unroll(_PASSES):
-                        for j in T.vectorized(_VECTOR):
-                            member[p, j] = T.cast(dy[T.min(first + p * step, rows - 1) * group + m, col + j], f32)
-                    for p in T.unroll(_PASSES):
-                        for j in T.unroll(_VECTOR):
-                            upstream[p, j] = upstream[p, j] + member[p, j]
-            else:
-                for p in T.unroll(_PASSES):
-                    _load_row(upstream, dy, p, first, col, rows, step)
-                    _load_row(normalised, x, p, first, col, rows, step)
-                    row_rstd[p] = rstd[T.min(first + p * step, rows - 1)]
+                        upstream[p, j] = upstream[p, j] + member[p, j]
             for p in T.unroll(_PASSES):  # y = x r rounded as the forward rounds it
                 for j in T.unroll(_VECTOR):
                     normalised[p, j] = T.cast(T.cast(normalised[p, j] * row_rstd[p], dtype), f32)
@@ -130,28 +130,6 @@ def l2norm_backward_program(dtype: str, grad_dtype: str, grouped: bool = False):
                         dx[first + p * step, col + j] = T.cast(
                             row_rstd[p] * (upstream[p, j] - normalised[p, j] * dot[p]), dtype)
 
-    if grouped:
-        @T.prim_func
-        def l2norm_group_backward(
-            dy: T.Tensor((grad_rows, HEAD_DIM), grad_dtype),
-            x: T.Tensor((rows, HEAD_DIM), dtype),
-            rstd: T.Tensor((rows,), f32),
-            dx: T.Tensor((rows, HEAD_DIM), dtype),
-            group: T.int32,
-        ):
-            backward_rows(dy, x, rstd, dx, group)
-
-        return l2norm_group_backward
-
-    @T.prim_func
-    def l2norm_backward(
-        dy: T.Tensor((rows, HEAD_DIM), dtype),
-        x: T.Tensor((rows, HEAD_DIM), dtype),
-        rstd: T.Tensor((rows,), f32),
-        dx: T.Tensor((rows, HEAD_DIM), dtype),
-    ):
-        backward_rows(dy, x, rstd, dx, 1)
-
     return l2norm_backward
 
 
@@ -161,8 +139,8 @@ def compile_l2norm_forward(dtype: str = "bfloat16", eps: float = EPS):
 
 
 @functools.lru_cache(maxsize=None)
-def compile_l2norm_backward(dtype: str = "bfloat16", grad_dtype: str | None = None, grouped: bool = False):
-    return compile_for_hopper(l2norm_backward_program(dtype, grad_dtype or dtype, grouped))
+def compile_l2norm_backward(dtype: str = "bfloat16", grad_dtype: str | None = None):
+    return compile_for_hopper(l2norm_backward_program(dtype, grad_dtype or dtype))
 
 
 def l2norm_forward(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,24 +153,16 @@ def l2norm_forward(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Ten
 
 
 def l2norm_backward(dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
-    """dx [rows, 128] for the forward above, from its input x and r; dy, x contiguous in x's dtype."""
-    dx = torch.empty_like(dy)
-    if dy.shape[0]:
-        compile_l2norm_backward(dtype_name(dy))(dy, x, rstd, dx)
-    return dx
-
-
-def l2norm_group_backward(dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
-    """l2norm_backward of the sum of G gradients of each row (a head group's value heads), summed as they are
-    read: dy [rows * G, 128] contiguous, bf16 or x's dtype, row r's G at r * G ...; dx [rows, 128] in x's dtype.
-    A candidate (never run on a GPU): backward.py sums the group in torch and calls l2norm_backward."""
+    """dx [rows, 128] in x's dtype for the forward above, from its input x and r, and the sum of G >= 1
+    gradients of each row (a head group's value heads; G = 1 for a plain norm), summed as they are read:
+    dy [rows * G, 128] contiguous, bf16 or x's dtype, row r's G at r * G ...; x contiguous."""
     rows = x.shape[0]
     if dy.shape[0] % max(rows, 1) != 0 or (rows == 0) != (dy.shape[0] == 0):
-        raise ValueError(f"l2norm_group_backward: dy must have a whole number of rows per row of x ({rows}), "
+        raise ValueError(f"l2norm_backward: dy must have a whole number of rows per row of x ({rows}), "
                          f"got {dy.shape[0]}")
     dx = torch.empty_like(x)
     if rows:
-        compile_l2norm_backward(dtype_name(x), dtype_name(dy), grouped=True)(dy, x, rstd, dx, dy.shape[0] // rows)
+        compile_l2norm_backward(dtype_name(x), dtype_name(dy))(dy, x, rstd, dx, dy.shape[0] // rows)
     return dx
 
 

@@ -54,18 +54,13 @@ def test_kernel_spills_no_more_than_its_ceiling(name, build):
 
 
 def warp_specialised_kernels():
-    """(name, builder) of the kernels whose roles run on their own warpgroups: the forward walk, the candidate
-    state-gradient walk by roles."""
+    """(name, builder) of the kernels whose roles run on their own warpgroups: the forward walk."""
     from flashqla.hopper.fused_forward import compile_fused_forward
-    from flashqla.hopper.state_grads_roles import compile_state_grads_roles
 
     return [(f"fused_forward_{value_block}",
              lambda value_block=value_block: compile_fused_forward(value_block, store_chunk_states=True,
                                                                    store_products=True))
-            for value_block in (64, 128)] + [
-            (f"state_grads_roles_{value_block}",
-             lambda value_block=value_block: compile_state_grads_roles(value_block, normalize_qk=True))
-            for value_block in (16, 64)]
+            for value_block in (64, 128)]
 
 
 @pytest.mark.parametrize("name,build", warp_specialised_kernels(), ids=[name for name, _ in warp_specialised_kernels()])
