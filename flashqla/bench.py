@@ -41,9 +41,7 @@ ratios (timings live here, not in the GPU tests, so a busy machine cannot fail a
 - inverse: the chunks' inverse A~ against FlashQLA's kkt_solve;
 - chunk_grads_l2norm: the chunk gradients then the L2 norm's backward kernel against the chunk
   gradients with the norm's backward in their epilogues (backward.py picks by head layout);
-- forward_walk: the forward walk against its candidates (WALK_CANDIDATES), bitwise or it raises;
-- chunk_grads_prefetch: the chunk gradients against the candidate that prefetches the next task's q, k and A~
-  into L2, bitwise or it raises.
+- forward_walk: the forward walk against its candidates (WALK_CANDIDATES), bitwise or it raises.
 """
 from __future__ import annotations
 
@@ -461,34 +459,6 @@ def compare_chunk_grads_l2norm(rep_ms: int):
         yield name, {"norm kernel": _median_ms(norm_kernel, rep_ms), "epilogues": _median_ms(epilogues, rep_ms)}
 
 
-def compare_chunk_grads_prefetch(rep_ms: int):
-    """The chunk gradients against the candidate that prefetches the next task's q, k and A~ into L2
-    (`chunk_grads_program(prefetch_l2=True)`), on the bench's inputs (q, k normalised outside) and as the model
-    calls the op (the norm on chip; its backward in the epilogues where the heads are not grouped). A prefetch
-    changes no arithmetic: raises unless every output is bitwise the kernel's."""
-    from flashqla.hopper.backward_chunk_grads import chunk_gradients
-    from flashqla.testing import chunk_gradient_arguments
-
-    for name, heads, seq_lens in (("16/64 1x32768", (16, 64), [32768]), ("16/64 8192x4", (16, 64), [8192] * 4),
-                                  ("2/8 1x131072", (2, 8), [131072]), ("16/16 1x131072", (16, 16), [131072]),
-                                  ("model 16/16 1x131072", (16, 16), [131072]),
-                                  ("model 16/32 1x65536", (16, 32), [65536])):
-        if name.startswith("model"):
-            args, (q_rstd, k_rstd) = _normalised_chunk_gradient_arguments(heads, seq_lens)
-            args.update(q_rstd=q_rstd, k_rstd=k_rstd, l2norm_backward=heads[0] == heads[1])
-        else:
-            x = make_inputs(heads, seq_lens)
-            do = torch.randn_like(x["v"][0])
-            args = chunk_gradient_arguments(x["q"][0], x["k"][0], x["v"][0], x["g"][0], x["beta"][0], do,
-                                            x["cu_seqlens"])
-        variants = {"kernel": lambda: chunk_gradients(**args),
-                    "L2 prefetch": lambda: chunk_gradients(**args, prefetch_l2=True)}
-        for label, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), variants["kernel"](), variants["L2 prefetch"]()):
-            if not torch.equal(a, b):
-                raise AssertionError(f"chunk_grads_prefetch {name}: {label} is not bitwise the kernel's")
-        yield name, {label: _median_ms(fn, rep_ms) for label, fn in variants.items()}
-
-
 # The chunks' gate-free inverse at the bench's large shapes and the models' (the stage FlashQLA also runs alone).
 INVERSE_SHAPES = [("16/64 1x32768", (16, 64), [32768]), ("16/64 8192x4", (16, 64), [8192] * 4),
                   ("2/8 1x32768", (2, 8), [32768]), ("2/8 1x131072", (2, 8), [131072]),
@@ -574,8 +544,7 @@ WALK_CANDIDATES: dict[str, dict] = {}
 
 
 COMPARISONS = {"keep_forward": compare_keep_forward, "conv": compare_conv, "inverse": compare_inverse,
-               "chunk_grads_l2norm": compare_chunk_grads_l2norm, "forward_walk": compare_forward_walk,
-               "chunk_grads_prefetch": compare_chunk_grads_prefetch}
+               "chunk_grads_l2norm": compare_chunk_grads_l2norm, "forward_walk": compare_forward_walk}
 
 
 def run_comparisons(names: list[str], rep_ms: int, json_path: str | None) -> None:

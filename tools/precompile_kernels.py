@@ -315,11 +315,6 @@ def main(argv=None) -> None:
 
             for block_tokens in (128, 64):  # bench --compare conv: the backward's shorter token blocks
                 compile_conv_backward("bfloat16", 4, 4, block_tokens)
-            from flashqla.hopper.backward_chunk_grads import compile_chunk_grads
-
-            # bench --compare chunk_grads_prefetch: the L2-prefetching candidate in the op's three forms
-            for normalize_qk, l2norm_backward in ((False, False), (True, False), (True, True)):
-                compile_chunk_grads(normalize_qk, l2norm_backward, prefetch_l2=True)
     if not args.skip_fla:
         compile_fla_tilelang(sorted({heads for _, heads, _ in shapes + model_shapes}))
     if not args.skip_flashqla:

@@ -89,24 +89,13 @@ def tile_sum_macros(parts: int):
     return column_partials, sum_partials
 
 
-# One 128-byte line of global memory into L2 (prefetch_l2 below): no register or shared memory is written.
-_L2_PREFETCH_SOURCE = """
-__device__ __forceinline__ void l2_prefetch_line(const void* address) {
-  asm volatile("prefetch.global.L2 [%0];" : : "l"(address));
-}
-"""
-
-
-def chunk_grads_program(normalize_qk: bool = False, l2norm_backward: bool = False, prefetch_l2: bool = False):
+def chunk_grads_program(normalize_qk: bool = False, l2norm_backward: bool = False):
     """Kernel for K = V = 128, bf16 operands, float32 gamma and beta; head counts, lengths, scale
     and the number of CTAs are run-time values. normalize_qk: q and k are the L2 norm's inputs and the
     kernel also takes their r (float32 [T, Hqk]); it normalises them on chip. l2norm_backward (with
     normalize_qk): it also writes the gradients of the norm's inputs, dq = r (dq^ - q^ (q^ . dq^)) and
     likewise dk, per value head (the norm's backward is linear in dq^, so the sum over a head group is
-    still the caller's); without it dq, dk are those of q^, k^.
-    prefetch_l2 (a candidate, never run on a GPU): where group B of the next task is issued, every thread also asks
-    L2 for one line of the next task's q and k rows and threads t < C for its A~ row, so that group A, issued at
-    the end of the task and waited for at the start of the next, comes from L2 instead of HBM."""
+    still the caller's); without it dq, dk are those of q^, k^."""
     if l2norm_backward and not normalize_qk:
         raise ValueError("chunk_grads_program: l2norm_backward needs normalize_qk (the norm's r)")
     K = V = HEAD_DIM
@@ -141,8 +130,6 @@ def chunk_grads_program(normalize_qk: bool = False, l2norm_backward: bool = Fals
         """The persistent CTA's walk over its tasks. q_rstd, k_rstd: the L2 norm's r of q and k [T, Hqk] with
         normalize_qk (else None)."""
         with T.Kernel(num_workers, threads=_THREADS) as worker:
-            if prefetch_l2:
-                T.import_source(_L2_PREFETCH_SOURCE)
             tx = T.get_thread_binding()
             group = num_v_heads // num_qk_heads
             num_tasks = num_chunks * num_v_heads
@@ -218,9 +205,6 @@ def chunk_grads_program(normalize_qk: bool = False, l2norm_backward: bool = Fals
                 q_rstd_next = T.alloc_var(f32)
                 k_rstd_next = T.alloc_var(f32)
                 rstd_head = T.alloc_var("int32")  # an index's 64-bit division, held once
-            if prefetch_l2:  # the next task's row and qk head this thread prefetches
-                prefetch_row = T.alloc_var("int32")
-                prefetch_head = T.alloc_var("int32")
             gamma_next = T.alloc_var(f32)  # this thread's gamma / beta entry of the next task
             beta_next = T.alloc_var(f32)
             dg_sum = T.alloc_var(f32)  # this thread's row of dg
@@ -420,18 +404,6 @@ def chunk_grads_program(normalize_qk: bool = False, l2norm_backward: bool = Fals
                     T.tma_copy(do[next_start:next_start + _C, next_head, 0:V], do_s, barrier=loads_b[0])
                     if T.shuffle_elect(_THREADS):
                         T.barrier_arrive(loads_b[0])
-                    if prefetch_l2:  # thread tx: line tx % 2 of row tx // 4 of q (tx % 4 < 2) or of k
-                        prefetch_row = T.min(next_start + tx // 4, num_tokens - 1)
-                        prefetch_head = next_head // group
-                        if tx % 4 < 2:
-                            T.call_extern("handle", "l2_prefetch_line",
-                                          T.address_of(q[prefetch_row, prefetch_head, (tx % 2) * (K // 2)]))
-                        else:
-                            T.call_extern("handle", "l2_prefetch_line",
-                                          T.address_of(k[prefetch_row, prefetch_head, (tx % 2) * (K // 2)]))
-                        if tx < _C:
-                            T.call_extern("handle", "l2_prefetch_line", T.address_of(
-                                inverse[T.min(next_start + tx, num_tokens - 1), next_head, 0]))
                     if tx < _C:
                         gamma_next = gamma[next_start + T.min(tx, next_length - 1), next_head]
                         beta_next = T.if_then_else(tx < next_length,
@@ -606,13 +578,12 @@ def chunk_grads_program(normalize_qk: bool = False, l2norm_backward: bool = Fals
 
 
 @functools.lru_cache(maxsize=None)
-def compile_chunk_grads(normalize_qk: bool = False, l2norm_backward: bool = False, prefetch_l2: bool = False):
-    return compile_for_hopper(chunk_grads_program(normalize_qk, l2norm_backward, prefetch_l2), fast_math=True)
+def compile_chunk_grads(normalize_qk: bool = False, l2norm_backward: bool = False):
+    return compile_for_hopper(chunk_grads_program(normalize_qk, l2norm_backward), fast_math=True)
 
 
 def chunk_gradients(q, k, v, gamma, beta, inverse, chunk_states, chunk_state_grads, do, scale, chunk_bounds,
-                    num_workers: int | None = None, q_rstd=None, k_rstd=None, l2norm_backward: bool = True,
-                    prefetch_l2: bool = False):
+                    num_workers: int | None = None, q_rstd=None, k_rstd=None, l2norm_backward: bool = True):
     """Run the kernel on flattened inputs; returns (dq, dk per value head, dv, dg, dbeta).
 
     q, k: [T, Hqk, 128] bf16; v, do: [T, Hv, 128] bf16; gamma (chunk-local cumsum), beta: [T, Hv] fp32;
@@ -623,7 +594,7 @@ def chunk_gradients(q, k, v, gamma, beta, inverse, chunk_states, chunk_state_gra
     the L2 norm (flashqla/hopper/l2norm.py) with these r, and the gradients are those of q^, k^'s; dq, dk then
     come back as the gradients of q, k, or with l2norm_backward=False of q^, k^ (whose sum over a head group
     the caller takes through l2norm.l2norm_backward).
-    dq, dk, dv: bf16 [T, Hv, 128]; dg, dbeta: float32 [T, Hv]. prefetch_l2: chunk_grads_program's candidate.
+    dq, dk, dv: bf16 [T, Hv, 128]; dg, dbeta: float32 [T, Hv].
     """
     num_tokens, _, head_dim = q.shape
     num_v_heads = v.shape[1]
@@ -642,7 +613,7 @@ def chunk_gradients(q, k, v, gamma, beta, inverse, chunk_states, chunk_state_gra
         args = (q, k, v, gamma, beta, inverse, chunk_states, chunk_state_grads, do, chunk_bounds, dq_head, dk_head, dv,
                 dg, dbeta, float(scale), num_workers)
         if q_rstd is None:
-            compile_chunk_grads(prefetch_l2=prefetch_l2)(*args)
+            compile_chunk_grads()(*args)
         else:
-            compile_chunk_grads(True, l2norm_backward, prefetch_l2)(*args, q_rstd, k_rstd)
+            compile_chunk_grads(True, l2norm_backward)(*args, q_rstd, k_rstd)
     return dq_head, dk_head, dv, dg, dbeta

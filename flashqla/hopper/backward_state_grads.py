@@ -198,7 +198,8 @@ def state_gradients(q, k, gamma, gated_inverse, scores, do, dht, scale, cu_seqle
     num_v_heads = do.shape[1]
     grads = torch.empty(max(num_chunks, 1), num_v_heads, HEAD_DIM, HEAD_DIM, dtype=torch.bfloat16, device=q.device)
     dh0 = torch.empty(cu_seqlens.numel() - 1, num_v_heads, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=q.device)
-    if rstds is None:  # placeholders, never read
+    normalize_qk = rstds is not None
+    if not normalize_qk:  # placeholders, never read
         rstds = (torch.empty(1, num_v_heads, dtype=torch.float32, device=q.device),) * 2
     elif num_v_heads != q.shape[1]:
         rstds = tuple(rstd.repeat_interleave(num_v_heads // q.shape[1], dim=1) for rstd in rstds)
@@ -206,7 +207,7 @@ def state_gradients(q, k, gamma, gated_inverse, scores, do, dht, scale, cu_seqle
     if not with_pieces:  # placeholders, unread by the whole-sequence kernel
         pieces = torch.zeros(1, PIECE_FIELDS, dtype=torch.int32, device=q.device)
         walk_end = torch.zeros(1, num_v_heads, dtype=torch.int32, device=q.device)
-    compile_state_grads(value_block, with_pieces, rstds is not None)(
+    compile_state_grads(value_block, with_pieces, normalize_qk)(
         q, k, gamma, gated_inverse, scores, do, dht, cu_seqlens, offsets, grads, dh0, pieces, walk_end,
         *rstds, float(scale))
     return grads, dh0

@@ -124,3 +124,32 @@ def test_backward_kernels_use_hopper_instructions():
                "chunk grads": compile_chunk_grads().get_kernel_source()}
     for name, source in sources.items():
         assert "wgmma" in source and "tma_load" in source, name
+
+
+@pytest.mark.parametrize("normalize_qk", [False, True], ids=["plain", "normalizing_qk"])
+@pytest.mark.parametrize("pieces", [False, True], ids=["whole", "pieces"])
+def test_state_gradients_pick_the_kernel_the_inputs_ask_for(monkeypatch, normalize_qk, pieces):
+    """CPU: the walk's wrapper builds the normalising kernel exactly when r is given, and hands it r by value head
+    (a wrapper that built it from r's placeholders ran the norm with garbage r: every GPU gradient wrong)."""
+    import flashqla.hopper.backward_state_grads as walk_module
+
+    built, launched = [], []
+
+    def fake_compile(value_block, with_pieces, with_rstds):
+        built.append((value_block, with_pieces, with_rstds))
+        return lambda *args: launched.append(args)
+
+    monkeypatch.setattr(walk_module, "compile_state_grads", fake_compile)
+    num_tokens, num_qk_heads, num_v_heads = 64, 2, 4
+    q = torch.zeros(num_tokens, num_qk_heads, 128)
+    do = torch.zeros(num_tokens, num_v_heads, 128)
+    rstds = (torch.rand(num_tokens, num_qk_heads), torch.rand(num_tokens, num_qk_heads)) if normalize_qk else None
+    walk = dict(pieces=torch.zeros(1, 4, dtype=torch.int32), walk_end=torch.zeros(1, num_v_heads, dtype=torch.int32)) \
+        if pieces else {}
+    walk_module.state_gradients(q, q, None, None, None, do, None, 0.1, torch.tensor([0, num_tokens]), None, 1,
+                                value_block=64, rstds=rstds, **walk)
+    assert built == [(64, pieces, normalize_qk)]
+    q_rstd, k_rstd = launched[0][-3:-1]
+    if normalize_qk:
+        assert torch.equal(q_rstd, rstds[0].repeat_interleave(2, dim=1))
+        assert torch.equal(k_rstd, rstds[1].repeat_interleave(2, dim=1))

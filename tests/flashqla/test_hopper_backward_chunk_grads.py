@@ -11,8 +11,7 @@ L2 norm with its r (`chunk_grads_program(normalize_qk=True)`, what the op runs w
 use_qk_l2norm_in_kernel) gives the plain kernel's gradients on the l2norm kernel's q^, k^ up to bf16
 rounding (it folds r into float32 factors where the plain path rounds q^, k^ to bf16), and with the norm's
 backward in its epilogues (`l2norm_backward=True`) the norm's backward of its own dq^, dk^ (float64 math)
-and its own dv, dg, dbeta bitwise. The candidate prefetching into L2 (`prefetch_l2`) gives the kernel's
-gradients bitwise.
+and its own dv, dg, dbeta bitwise.
 """
 import re
 import shutil
@@ -157,28 +156,6 @@ def test_worker_count_does_not_change_the_gradients(heads, num_workers):
     walked = run_kernel(chunk_gradients, args, num_workers=num_workers)
     for name, a, b in zip(OUTPUT_NAMES, walked, per_sm):
         assert torch.equal(a, b), name
-
-
-@pytest.mark.gpu
-@requires_hopper
-@pytest.mark.parametrize("num_workers", [None, 7], ids=["cta_per_sm", "7_ctas"])
-@pytest.mark.parametrize("heads", [(16, 64), (2, 8)], ids=["16_64", "2_8"])
-def test_l2_prefetch_candidate_gives_the_kernels_gradients(variant, heads, num_workers):
-    """The candidate that prefetches the next task's q, k and A~ rows into L2 (prefetch_l2) reads the same tiles
-    by the same TMA loads: bitwise the kernel's gradients, on ragged lengths (empty, one-token and partial chunks),
-    in each of the kernel's three forms."""
-    from flashqla.hopper.backward_chunk_grads import chunk_gradients
-
-    normalize_qk, l2norm_backward = variant
-    args = kernel_inputs(RAGGED, *heads)
-    if normalize_qk:  # any positive r: the check is bitwise against the same kernel without the prefetch
-        num_tokens = args["q"].shape[0]
-        args.update(q_rstd=torch.rand(num_tokens, heads[0], device="cuda") + 0.5,
-                    k_rstd=torch.rand(num_tokens, heads[0], device="cuda") + 0.5, l2norm_backward=l2norm_backward)
-    kernel = run_kernel(chunk_gradients, args, num_workers=num_workers)
-    prefetching = run_kernel(chunk_gradients, args, num_workers=num_workers, prefetch_l2=True)
-    for name, a, b in zip(OUTPUT_NAMES, prefetching, kernel):
-        assert torch.isfinite(a).all() and torch.equal(a, b), name
 
 
 @pytest.mark.gpu
