@@ -8,7 +8,8 @@
 #   compare             python -m flashqla.bench --compare: kernel variants side by side (kept forward
 #                       tensors, conv; COMPARE=name,... picks), ratios printed, JSON
 #   bench               python -m flashqla.bench --fwd --bwd --breakdown, ours / FLA / FlashQLA, JSON
-#                       (SHAPES=substr,... filters shapes; BENCH_BUDGET seconds, default: what is left)
+#                       (SHAPES=substr,... filters shapes; BENCH_BUDGET seconds, default: what is left;
+#                       BASELINES=flashqla leaves out FLA, whose Triton autotuning takes ~25 s a shape uncached)
 #   bench-warm          one `flashqla.bench --warm-only --baselines fla` process per head layout of SHAPES
 #                       (default all 8), in parallel: FLA's Triton kernels compile into the shared cache, so a
 #                       later bench spends no minutes per layout there. Autotune results are not kept
@@ -140,7 +141,7 @@ run_part() {
     bench)
         local budget=${BENCH_BUDGET:-$(($(left) - 40))}
         step bench $((budget + 30)) 90 "$PYTHON" -m flashqla.bench --fwd --bwd --breakdown --json "$OUT/bench.json" \
-            --baselines fla,flashqla --time-budget "$budget" ${SHAPES:+--shapes "$SHAPES"}
+            --baselines "${BASELINES-fla,flashqla}" --time-budget "$budget" ${SHAPES:+--shapes "$SHAPES"}
         ;;
     bench-warm)
         local layouts=${SHAPES:-16/64,16/48,16/32,8/32,8/24,4/16,2/8,16/16}
