@@ -41,8 +41,7 @@ ratios (timings live here, not in the GPU tests, so a busy machine cannot fail a
 - inverse: the chunks' inverse A~ against FlashQLA's kkt_solve;
 - chunk_grads_l2norm: the chunk gradients then the L2 norm's backward kernel against the chunk
   gradients with the norm's backward in their epilogues (backward.py picks by head layout);
-- forward_walk: the forward walk against its candidates (WALK_CANDIDATES), bitwise or it raises;
-- state_grads_rebuild: the state-gradient walk on the kept Ab and P against the candidate that builds them on chip.
+- forward_walk: the forward walk against its candidates (WALK_CANDIDATES), bitwise or it raises.
 """
 from __future__ import annotations
 
@@ -539,53 +538,13 @@ def compare_forward_walk(rep_ms: int):
         yield f"{name} (V block {plan.value_block})", times
 
 
-def compare_state_grads_rebuild(rep_ms: int):
-    """The state-gradient walk on the forward's kept Ab and P against the candidate that builds them on chip from
-    A~, gamma, beta, q and k (`state_gradients(rebuild_from=...)`), on the backward's plan, as the model calls the op
-    (q, k normalised in the kernels). Raises unless the two agree within bf16 rounding (they round Ab and P from
-    different float32 values)."""
-    from flashqla.hopper.backward import MAX_VALUE_BLOCK, state_gradient_walk
-    from flashqla.hopper.backward_state_grads import state_gradients
-    from flashqla.hopper.chunk_plan import plan_forward
-    from flashqla.hopper.forward import forward
-    from flashqla.testing import relative_error
-
-    shapes = [("16/64 1x32768", (16, 64), [32768]), ("16/64 8192x4", (16, 64), [8192] * 4),
-              ("2/8 1x32768", (2, 8), [32768]), ("2/8 1x131072", (2, 8), [131072]),
-              ("16/16 1x131072", (16, 16), [131072]), ("8/8 1x131072", (8, 8), [131072]),
-              ("16/32 1x65536", (16, 32), [65536])]
-    for name, (num_qk_heads, num_v_heads), seq_lens in shapes:
-        inputs = make_inputs((num_qk_heads, num_v_heads), seq_lens, like_the_model=True)
-        q, k, v, g, beta, rstds = _breakdown_operands(inputs, like_the_model=True)
-        cu = inputs["cu_seqlens"]
-        sm_count = torch.cuda.get_device_properties().multi_processor_count
-        plan = plan_forward(cu, num_v_heads, 128, sm_count, MAX_VALUE_BLOCK)
-        _, _, kept, *_ = forward(q[None], k[None], v[None], g[None], beta[None], 128 ** -0.5, None, False, cu,
-                                 keep_for_backward=True, normalize_qk=True)
-        common = dict(do=torch.randn_like(v), dht=torch.zeros(cu.numel() - 1, num_v_heads, 128, 128, device=v.device),
-                      scale=128 ** -0.5, cu_seqlens=cu, offsets=plan.chunk_offsets,
-                      num_chunks=plan.chunk_index.shape[0], rstds=rstds,
-                      **state_gradient_walk(plan, kept.gamma, cu, cu.tolist(), num_v_heads, sm_count))
-        inverse, beta32 = kept.inverse.to(torch.bfloat16), beta.float().contiguous()
-        variants = {"kept Ab, P": lambda: state_gradients(q, k, kept.gamma, kept.gated_inverse, kept.scores, **common),
-                    "rebuilt": lambda: state_gradients(q, k, kept.gamma, None, None, **common,
-                                                       rebuild_from=(inverse, beta32))}
-        (walk_ds, walk_dh0), (ours_ds, ours_dh0) = (fn() for fn in variants.values())
-        errors = (float(relative_error(ours_ds, walk_ds)), float(relative_error(ours_dh0, walk_dh0)))
-        if not max(errors) <= 1e-2:
-            raise AssertionError(f"state_grads_rebuild {name}: differs from the walk (dS, dh0 relative errors {errors})")
-        yield (f"{name} (V block {common['value_block']})",
-               {label: _median_ms(fn, rep_ms) for label, fn in variants.items()})
-
-
 # fused_forward's switches of the walk's candidates, timed by --compare forward_walk (none now: the last ones,
 # Ab on warpgroup 2 from P's Gm with Ab and P stored first, became the walk; docs/kernel-notes.md)
 WALK_CANDIDATES: dict[str, dict] = {}
 
 
 COMPARISONS = {"keep_forward": compare_keep_forward, "conv": compare_conv, "inverse": compare_inverse,
-               "chunk_grads_l2norm": compare_chunk_grads_l2norm, "forward_walk": compare_forward_walk,
-               "state_grads_rebuild": compare_state_grads_rebuild}
+               "chunk_grads_l2norm": compare_chunk_grads_l2norm, "forward_walk": compare_forward_walk}
 
 
 def run_comparisons(names: list[str], rep_ms: int, json_path: str | None) -> None:

@@ -315,14 +315,6 @@ def main(argv=None) -> None:
 
             for block_tokens in (128, 64):  # bench --compare conv: the backward's shorter token blocks
                 compile_conv_backward("bfloat16", 4, 4, block_tokens)
-            from flashqla.hopper.backward_state_grads import compile_state_grads
-
-            # the state-gradient walk rebuilding Ab and P (bench --compare state_grads_rebuild, its GPU test) in
-            # every V block the backward's plan picks
-            for value_block in (32, 64):
-                for pieces in (False, True):
-                    for normalize_qk in (False, True):
-                        compile_state_grads(value_block, pieces, normalize_qk, rebuild_products=True)
     if not args.skip_fla:
         compile_fla_tilelang(sorted({heads for _, heads, _ in shapes + model_shapes}))
     if not args.skip_flashqla:

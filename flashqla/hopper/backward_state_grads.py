@@ -34,8 +34,7 @@ _WARPGROUPS = 2
 _STAGES = 3  # T.Pipelined's load stages (up to ~216 KB of shared memory at a V block of 64)
 
 
-def state_grads_program(value_block: int = 32, pieces: bool = False, normalize_qk: bool = False,
-                        rebuild_products: bool = False):
+def state_grads_program(value_block: int = 32, pieces: bool = False, normalize_qk: bool = False):
     """pieces=False: one CTA per (V block, head, sequence).
     pieces=True (what backward.py runs where the forward's plan cut a sequence): one CTA per (V block,
     head, piece of a sequence); the CTA starts at walk_end[piece, head] (the sequence end, from dht,
@@ -43,10 +42,7 @@ def state_grads_program(value_block: int = 32, pieces: bool = False, normalize_q
     the piece's own chunks, and writes dh0 only when the piece starts its sequence.
     normalize_qk: q_rstd, k_rstd hold the L2 norm's r of q's and k's rows, one column per value head (else
     they are not read): indexed by the CTA's own head, their loads join the pipeline's asynchronous copies,
-    where an index of the qk head (head // group) kept them in the consumers, one exposed load a chunk.
-    rebuild_products (a candidate, never run on a GPU): the kernel takes A~ (the gate-free inverse) and beta in place
-    of Ab and P and builds both on chip from A~, gamma, beta, q and k (one more product a chunk, Q K^T), as the
-    forward walk does: the forward need not keep Ab and P, and the walk reads A~ and beta instead of Ab and P."""
+    where an index of the qk head (head // group) kept them in the consumers, one exposed load a chunk."""
     K = V = HEAD_DIM
     BV = value_block
     num_value_blocks = V // BV
@@ -60,10 +56,25 @@ def state_grads_program(value_block: int = 32, pieces: bool = False, normalize_q
     op = "bfloat16"
     f32 = "float32"
 
-    @T.macro
-    def walk(q, k, gamma, products_a, products_b, do, dht, cu_seqlens, chunk_offsets, chunk_state_grads, dh0,
-             piece_table, walk_end, q_rstd, k_rstd, scale):
-        """products_a, products_b: Ab and P (kept by the forward), or with rebuild_products A~ and beta."""
+    @T.prim_func
+    def state_grads_kernel(
+        q: T.Tensor((num_tokens, num_qk_heads, K), op),
+        k: T.Tensor((num_tokens, num_qk_heads, K), op),
+        gamma: T.Tensor((num_tokens, num_v_heads), f32),
+        gated_inverse: T.Tensor((num_tokens, num_v_heads, _C), op),
+        scores: T.Tensor((num_tokens, num_v_heads, _C), op),
+        do: T.Tensor((num_tokens, num_v_heads, V), op),
+        dht: T.Tensor((num_sequences, num_v_heads, K, V), f32),
+        cu_seqlens: T.Tensor((num_sequences + 1,), "int32"),
+        chunk_offsets: T.Tensor((num_sequences + 1,), "int32"),
+        chunk_state_grads: T.Tensor((num_chunks, num_v_heads, K, V), op),
+        dh0: T.Tensor((num_sequences, num_v_heads, K, V), f32),
+        piece_table: T.Tensor((num_pieces, PIECE_FIELDS), "int32"),
+        walk_end: T.Tensor((num_pieces, num_v_heads), "int32"),
+        q_rstd: T.Tensor((rstd_rows, num_v_heads), f32),
+        k_rstd: T.Tensor((rstd_rows, num_v_heads), f32),
+        scale: T.float32,
+    ):
         with T.Kernel(num_value_blocks, num_v_heads, num_pieces if pieces else num_sequences,
                       threads=WARPGROUP * _WARPGROUPS) as (vblock, head, row):
             qk_head = head // (num_v_heads // num_qk_heads)
@@ -81,12 +92,8 @@ def state_grads_program(value_block: int = 32, pieces: bool = False, normalize_q
             k_s = T.alloc_shared((_C, K), op)
             do_s = T.alloc_shared((_C, BV), op)
             ab_s = T.alloc_shared((_C, _C), op)
-            pm_s = None if rebuild_products else T.alloc_shared((_C, _C), op)
-            inv_s = T.alloc_shared((_C, _C), op) if rebuild_products else None  # A~ as loaded
+            pm_s = T.alloc_shared((_C, _C), op)
             pm_m_s = T.alloc_shared((_C, _C), op)
-            if rebuild_products:
-                b_s = T.alloc_shared((_C,), f32)
-                qk = T.alloc_fragment((_C, _C), f32)
             ds_s = T.alloc_shared((K, BV), op)
             d_delta_s = T.alloc_shared((_C, BV), op)
             du_s = T.alloc_shared((_C, BV), op)
@@ -120,11 +127,8 @@ def state_grads_program(value_block: int = 32, pieces: bool = False, normalize_q
                 T.copy(q[start:start + _C, qk_head, 0:K], q_s)
                 T.copy(k[start:start + _C, qk_head, 0:K], k_s)
                 T.copy(do[start:start + _C, head, v0:v0 + BV], do_s)
-                if rebuild_products:
-                    T.copy(products_a[start:start + _C, head, 0:_C], inv_s)
-                else:
-                    T.copy(products_a[start:start + _C, head, 0:_C], ab_s)
-                    T.copy(products_b[start:start + _C, head, 0:_C], pm_s)
+                T.copy(gated_inverse[start:start + _C, head, 0:_C], ab_s)
+                T.copy(scores[start:start + _C, head, 0:_C], pm_s)
                 # Padded rows repeat the last gamma, so e^{gamma_C} is the decay over the real tokens.
                 for t in T.Parallel(_C):
                     gam_s[t] = gamma[start + T.min(t, last), head]
@@ -132,22 +136,8 @@ def state_grads_program(value_block: int = 32, pieces: bool = False, normalize_q
                     for t in T.Parallel(_C):
                         q_rstd_s[t] = q_rstd[T.min(start + t, num_tokens - 1), head]
                         k_rstd_s[t] = k_rstd[T.min(start + t, num_tokens - 1), head]
-                if rebuild_products:  # beta past the sequence end is 0: Ab's columns there vanish
-                    for t in T.Parallel(_C):
-                        b_s[t] = T.if_then_else(t <= last, products_b[start + T.min(t, last), head], 0.0)
-                    # Pm = scale Gm . Q^ K^T and Ab = (Gm . A~) diag(beta), Gm = e^{gamma_t - gamma_s} on s <= t <= last
-                    T.gemm(q_s, k_s, qk, transpose_B=True, clear_accum=True)
-                    for t, s in T.Parallel(_C, _C):
-                        pm_m_s[t, s] = T.cast(T.if_then_else(
-                            (s <= t) & (t <= last),
-                            times_rstd(times_rstd(scale * qk[t, s] * T.exp(gam_s[t] - gam_s[s]), q_rstd_s, t),
-                                       k_rstd_s, s), 0.0), op)
-                        ab_s[t, s] = T.cast(T.if_then_else(
-                            (s <= t) & (t <= last),
-                            T.cast(inv_s[t, s], f32) * T.exp(gam_s[t] - gam_s[s]) * b_s[s], 0.0), op)
-                else:
-                    for t, s in T.Parallel(_C, _C):
-                        pm_m_s[t, s] = T.if_then_else(t <= last, pm_s[t, s], T.cast(0, op))
+                for t, s in T.Parallel(_C, _C):
+                    pm_m_s[t, s] = T.if_then_else(t <= last, pm_s[t, s], T.cast(0, op))
 
                 for i, j in T.Parallel(K, BV):
                     ds_s[i, j] = T.cast(ds[i, j], op)
@@ -181,66 +171,17 @@ def state_grads_program(value_block: int = 32, pieces: bool = False, normalize_q
             else:
                 T.copy(ds, dh0[seq, head, 0:K, v0:v0 + BV])
 
-    if rebuild_products:
-        @T.prim_func
-        def state_grads_rebuilding_kernel(
-            q: T.Tensor((num_tokens, num_qk_heads, K), op),
-            k: T.Tensor((num_tokens, num_qk_heads, K), op),
-            gamma: T.Tensor((num_tokens, num_v_heads), f32),
-            inverse: T.Tensor((num_tokens, num_v_heads, _C), op),
-            beta: T.Tensor((num_tokens, num_v_heads), f32),
-            do: T.Tensor((num_tokens, num_v_heads, V), op),
-            dht: T.Tensor((num_sequences, num_v_heads, K, V), f32),
-            cu_seqlens: T.Tensor((num_sequences + 1,), "int32"),
-            chunk_offsets: T.Tensor((num_sequences + 1,), "int32"),
-            chunk_state_grads: T.Tensor((num_chunks, num_v_heads, K, V), op),
-            dh0: T.Tensor((num_sequences, num_v_heads, K, V), f32),
-            piece_table: T.Tensor((num_pieces, PIECE_FIELDS), "int32"),
-            walk_end: T.Tensor((num_pieces, num_v_heads), "int32"),
-            q_rstd: T.Tensor((rstd_rows, num_v_heads), f32),
-            k_rstd: T.Tensor((rstd_rows, num_v_heads), f32),
-            scale: T.float32,
-        ):
-            walk(q, k, gamma, inverse, beta, do, dht, cu_seqlens, chunk_offsets, chunk_state_grads, dh0, piece_table,
-                 walk_end, q_rstd, k_rstd, scale)
-
-        return state_grads_rebuilding_kernel
-
-    @T.prim_func
-    def state_grads_kernel(
-        q: T.Tensor((num_tokens, num_qk_heads, K), op),
-        k: T.Tensor((num_tokens, num_qk_heads, K), op),
-        gamma: T.Tensor((num_tokens, num_v_heads), f32),
-        gated_inverse: T.Tensor((num_tokens, num_v_heads, _C), op),
-        scores: T.Tensor((num_tokens, num_v_heads, _C), op),
-        do: T.Tensor((num_tokens, num_v_heads, V), op),
-        dht: T.Tensor((num_sequences, num_v_heads, K, V), f32),
-        cu_seqlens: T.Tensor((num_sequences + 1,), "int32"),
-        chunk_offsets: T.Tensor((num_sequences + 1,), "int32"),
-        chunk_state_grads: T.Tensor((num_chunks, num_v_heads, K, V), op),
-        dh0: T.Tensor((num_sequences, num_v_heads, K, V), f32),
-        piece_table: T.Tensor((num_pieces, PIECE_FIELDS), "int32"),
-        walk_end: T.Tensor((num_pieces, num_v_heads), "int32"),
-        q_rstd: T.Tensor((rstd_rows, num_v_heads), f32),
-        k_rstd: T.Tensor((rstd_rows, num_v_heads), f32),
-        scale: T.float32,
-    ):
-        walk(q, k, gamma, gated_inverse, scores, do, dht, cu_seqlens, chunk_offsets, chunk_state_grads, dh0,
-             piece_table, walk_end, q_rstd, k_rstd, scale)
-
     return state_grads_kernel
 
 
 @functools.lru_cache(maxsize=None)
-def compile_state_grads(value_block: int = 32, pieces: bool = False, normalize_qk: bool = False,
-                        rebuild_products: bool = False):
-    return compile_for_hopper(state_grads_program(value_block, pieces, normalize_qk, rebuild_products),
-                              fast_math=True)
+def compile_state_grads(value_block: int = 32, pieces: bool = False, normalize_qk: bool = False):
+    return compile_for_hopper(state_grads_program(value_block, pieces, normalize_qk), fast_math=True)
 
 
 def state_gradients(q, k, gamma, gated_inverse, scores, do, dht, scale, cu_seqlens, offsets, num_chunks,
                     value_block, pieces: torch.Tensor | None = None, walk_end: torch.Tensor | None = None,
-                    rstds: tuple | None = None, rebuild_from: tuple | None = None):
+                    rstds: tuple | None = None):
     """(dS leaving every chunk, bf16 [num_chunks, Hv, 128, 128]; dh0, float32 [N, Hv, 128, 128]).
 
     q, k: [T, Hqk, 128] bf16; gamma (chunk-local cumsum): [T, Hv] fp32; gated_inverse (Ab), scores
@@ -251,13 +192,9 @@ def state_gradients(q, k, gamma, gated_inverse, scores, do, dht, scale, cu_seqle
     rstds: (q_rstd, k_rstd), float32 [T, Hqk], when q and k are the inputs of use_qk_l2norm_in_kernel's
     norm and these its r: the gradients are then those of the walk of q^, k^. With grouped value heads
     they are repeated per value head for the kernel (8 bytes a token and head).
-    rebuild_from: (inverse, beta) ([T, Hv, 64] bf16 A~, [T, Hv] fp32) for the candidate that builds Ab and P on chip
-    (state_grads_program's rebuild_products); gated_inverse and scores are then None.
     """
     if (pieces is None) != (walk_end is None):
         raise ValueError("state_gradients: pass pieces and walk_end together, or neither")
-    if (rebuild_from is None) == (gated_inverse is None or scores is None):
-        raise ValueError("state_gradients: pass gated_inverse and scores, or rebuild_from, not both")
     num_v_heads = do.shape[1]
     grads = torch.empty(max(num_chunks, 1), num_v_heads, HEAD_DIM, HEAD_DIM, dtype=torch.bfloat16, device=q.device)
     dh0 = torch.empty(cu_seqlens.numel() - 1, num_v_heads, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=q.device)
@@ -270,8 +207,8 @@ def state_gradients(q, k, gamma, gated_inverse, scores, do, dht, scale, cu_seqle
     if not with_pieces:  # placeholders, unread by the whole-sequence kernel
         pieces = torch.zeros(1, PIECE_FIELDS, dtype=torch.int32, device=q.device)
         walk_end = torch.zeros(1, num_v_heads, dtype=torch.int32, device=q.device)
-    products = (gated_inverse, scores) if rebuild_from is None else rebuild_from
-    compile_state_grads(value_block, with_pieces, normalize_qk, rebuild_from is not None)(
-        q, k, gamma, *products, do, dht, cu_seqlens, offsets, grads, dh0, pieces, walk_end, *rstds, float(scale))
+    compile_state_grads(value_block, with_pieces, normalize_qk)(
+        q, k, gamma, gated_inverse, scores, do, dht, cu_seqlens, offsets, grads, dh0, pieces, walk_end,
+        *rstds, float(scale))
     return grads, dh0
 

@@ -126,20 +126,17 @@ def test_backward_kernels_use_hopper_instructions():
         assert "wgmma" in source and "tma_load" in source, name
 
 
-@pytest.mark.parametrize("rebuild", [False, True], ids=["kept_products", "rebuilt_products"])
 @pytest.mark.parametrize("normalize_qk", [False, True], ids=["plain", "normalizing_qk"])
 @pytest.mark.parametrize("pieces", [False, True], ids=["whole", "pieces"])
-def test_state_gradients_pick_the_kernel_the_inputs_ask_for(monkeypatch, normalize_qk, pieces, rebuild):
+def test_state_gradients_pick_the_kernel_the_inputs_ask_for(monkeypatch, normalize_qk, pieces):
     """CPU: the walk's wrapper builds the normalising kernel exactly when r is given, and hands it r by value head
-    (a wrapper that built it from r's placeholders ran the norm with garbage r: every GPU gradient wrong); the
-    rebuilding candidate exactly when A~ and beta come in place of Ab and P, and gets them where the kernel reads
-    Ab and P."""
+    (a wrapper that built it from r's placeholders ran the norm with garbage r: every GPU gradient wrong)."""
     import flashqla.hopper.backward_state_grads as walk_module
 
     built, launched = [], []
 
-    def fake_compile(value_block, with_pieces, with_rstds, rebuild_products):
-        built.append((value_block, with_pieces, with_rstds, rebuild_products))
+    def fake_compile(value_block, with_pieces, with_rstds):
+        built.append((value_block, with_pieces, with_rstds))
         return lambda *args: launched.append(args)
 
     monkeypatch.setattr(walk_module, "compile_state_grads", fake_compile)
@@ -149,16 +146,10 @@ def test_state_gradients_pick_the_kernel_the_inputs_ask_for(monkeypatch, normali
     rstds = (torch.rand(num_tokens, num_qk_heads), torch.rand(num_tokens, num_qk_heads)) if normalize_qk else None
     walk = dict(pieces=torch.zeros(1, 4, dtype=torch.int32), walk_end=torch.zeros(1, num_v_heads, dtype=torch.int32)) \
         if pieces else {}
-    products = (torch.zeros(num_tokens, num_v_heads, 64), torch.ones(num_tokens, num_v_heads))
-    kept, rebuild_from = ((None, None), products) if rebuild else (products, None)
-    walk_module.state_gradients(q, q, None, *kept, do, None, 0.1, torch.tensor([0, num_tokens]), None, 1,
-                                value_block=64, rstds=rstds, rebuild_from=rebuild_from, **walk)
-    assert built == [(64, pieces, normalize_qk, rebuild)]
-    assert launched[0][3] is products[0] and launched[0][4] is products[1]
+    walk_module.state_gradients(q, q, None, None, None, do, None, 0.1, torch.tensor([0, num_tokens]), None, 1,
+                                value_block=64, rstds=rstds, **walk)
+    assert built == [(64, pieces, normalize_qk)]
     q_rstd, k_rstd = launched[0][-3:-1]
     if normalize_qk:
         assert torch.equal(q_rstd, rstds[0].repeat_interleave(2, dim=1))
         assert torch.equal(k_rstd, rstds[1].repeat_interleave(2, dim=1))
-    with pytest.raises(ValueError, match="gated_inverse and scores, or rebuild_from"):
-        walk_module.state_gradients(q, q, None, *products, do, None, 0.1, torch.tensor([0, num_tokens]), None, 1,
-                                    value_block=64, rebuild_from=products)
