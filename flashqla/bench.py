@@ -3,7 +3,7 @@ and side-by-side timings of kernel variants (--compare).
 
     python -m flashqla.bench [--fwd] [--bwd] [--json PATH] [--shapes SUBSTR,...] [--baselines fla,flashqla]
                              [--time-budget SECONDS] [--breakdown] [--model] [--keep true|products|false]
-    python -m flashqla.bench --compare [keep_forward,conv,inverse,chunk_grads_l2norm,forward_walk]
+    python -m flashqla.bench --compare [keep_forward,conv,inverse,chunk_grads_l2norm,forward_walk,backward_fused]
                              [--json PATH]
 
 Each library is called the way its users call it: ours through `flashqla.chunk_gated_delta_rule`
@@ -538,13 +538,53 @@ def compare_forward_walk(rep_ms: int):
         yield f"{name} (V block {plan.value_block})", times
 
 
+def compare_backward_fused(rep_ms: int):
+    """The backward from the forward's kept tensors: the state-gradient walk and the chunk gradients (two kernels)
+    against the one reverse walk (backward_fused.py), with the L2 norm as the model calls the op ("model") and on
+    the anchors' normalised inputs with h0 ("plain"). Raises where a fused gradient is more than 1e-2 (relative
+    L2) from the two kernels'."""
+    from flashqla.hopper.backward import backward
+    from flashqla.hopper.forward import forward
+    from flashqla.testing import relative_error
+
+    shapes = INVERSE_SHAPES + [("16/32 1x65536", (16, 32), [65536]), ("16/16 ragged", (16, 16), [1000, 0, 64, 2047, 1,
+                                                                                                    129, 640] * 8)]
+    for name, heads, seq_lens in shapes:
+        for mode in ("model", "plain"):
+            x = make_inputs(heads, seq_lens, like_the_model=mode == "model")
+            normalize = mode == "model"
+            host = x["cu_seqlens_cpu"].tolist()
+            args = (x["q"], x["k"], x["v"], x["g"], x["beta"], 128 ** -0.5, x["initial_state"])
+            o, _, kept, *rstds = forward(*args, x["output_final_state"], x["cu_seqlens"], cu_seqlens_host=host,
+                                         keep_for_backward=True, normalize_qk=normalize)
+            gen = torch.Generator(device="cuda").manual_seed(1)
+            do = torch.randn(o.shape, generator=gen, device="cuda").to(o.dtype)
+            dht = None if normalize else torch.randn(x["initial_state"].shape, generator=gen, device="cuda")
+            norm = dict(zip(("q_rstd", "k_rstd"), rstds[0])) if normalize else {}
+
+            def run(fused_reverse):
+                return backward(*args, x["cu_seqlens"], do, dht, cu_seqlens_host=host, kept=kept,
+                                fused_reverse=fused_reverse, **norm)
+
+            for label, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), run(False), run(True)):
+                error = float(relative_error(b, a))
+                if not error <= 1e-2:  # also catches NaN
+                    raise AssertionError(f"backward_fused {name} {mode}: the fused {label} is {error:.2e} from the "
+                                         "two kernels'")
+            yield f"{name} {mode}", {"two kernels": _median_ms(lambda: run(False), rep_ms),
+                                     "fused": _median_ms(lambda: run(True), rep_ms)}
+            del kept
+            torch.cuda.empty_cache()
+
+
 # fused_forward's switches of the walk's candidates, timed by --compare forward_walk (none now: the last ones,
 # Ab on warpgroup 2 from P's Gm with Ab and P stored first, became the walk; docs/kernel-notes.md)
 WALK_CANDIDATES: dict[str, dict] = {}
 
 
 COMPARISONS = {"keep_forward": compare_keep_forward, "conv": compare_conv, "inverse": compare_inverse,
-               "chunk_grads_l2norm": compare_chunk_grads_l2norm, "forward_walk": compare_forward_walk}
+               "chunk_grads_l2norm": compare_chunk_grads_l2norm, "forward_walk": compare_forward_walk,
+               "backward_fused": compare_backward_fused}
 
 
 def run_comparisons(names: list[str], rep_ms: int, json_path: str | None) -> None:

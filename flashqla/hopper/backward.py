@@ -16,8 +16,9 @@ atomics): in the L2 norm's backward kernel when the forward applied the norm, el
 import torch
 
 from flashqla.hopper.backward_chunk_grads import chunk_gradients
+from flashqla.hopper.backward_fused import fused_backward_grads
 from flashqla.hopper.backward_state_grads import state_gradients
-from flashqla.hopper.chunk_plan import device_sm_count, flat_cu_seqlens, plan_forward, value_block_size
+from flashqla.hopper.chunk_plan import device_sm_count, flat_cu_seqlens, plan_forward, plan_pieces, value_block_size
 from flashqla.hopper.common import DEFAULT_LOG_DECAY_THRESHOLD, HEAD_DIM, unsupported_inputs
 from flashqla.hopper.forward import KeptForward, forward, walk_chunks
 from flashqla.hopper.fused_forward import MAX_VALUE_BLOCK as FORWARD_MAX_VALUE_BLOCK
@@ -30,7 +31,7 @@ MAX_VALUE_BLOCK = 64
 
 def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seqlens_host: list[int] | None = None,
              kept: KeptForward | None = None, log_decay_threshold: float = DEFAULT_LOG_DECAY_THRESHOLD,
-             q_rstd: torch.Tensor | None = None, k_rstd: torch.Tensor | None = None):
+             q_rstd: torch.Tensor | None = None, k_rstd: torch.Tensor | None = None, fused_reverse: bool = False):
     """Gradients of (o, final_state) for inputs as given to `forward.forward`.
 
     q, k: [B, T, Hqk, 128]; v, do: [B, T, Hv, 128]; g, beta: [B, T, Hv]; initial_state, dht:
@@ -49,6 +50,8 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seq
     its r, float32 [B * T * Hqk] (what forward.forward(..., normalize_qk=True) returns); the gradients are
     those of the op on q^, k^, carried through the norm to q and k. q and k must then be contiguous (the
     Function saves them so).
+    fused_reverse: steps 2 and 3 in one reverse walk (backward_fused.py; a candidate the public op does not
+    reach: tests/flashqla/test_hopper_backward_fused.py and bench --compare backward_fused run it).
     """
     reason = unsupported_inputs(q, v)
     if reason is not None:
@@ -107,6 +110,13 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seq
     if dht is None:
         dht = torch.zeros(num_sequences, num_v_heads, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=device)
     dht = dht.to(torch.float32).contiguous()
+    if fused_reverse:
+        pieces = plan_pieces(cu_seqlens, num_v_heads, 1, sm_count)
+        walk_end = walk_bounds(gamma, pieces, cu_seqlens, ahead=True, log_decay_threshold=log_decay_threshold)
+        dq_head, dk_head, dv, dg, dbeta, dh0 = fused_backward_grads(
+            q_flat, k_flat, v_flat, gamma, beta_flat, inverse, states, do_flat, dht, scale, cu_seqlens, offsets,
+            pieces, walk_end, rstds=kernel_rstds)
+        return _finish(q, k, v, g, beta, dq_head, dk_head, dv, dg, dbeta, dh0, rstds, False, num_qk_heads)
     walk = state_gradient_walk(plan, gamma, cu_seqlens, cu_seqlens_host, num_v_heads, sm_count, log_decay_threshold)
     state_grads, dh0 = state_gradients(q_flat, k_flat, gamma, gated_inverse, scores, do_flat, dht, scale,
                                        cu_seqlens, offsets, chunk_index.shape[0], **walk, rstds=kernel_rstds)
@@ -118,9 +128,15 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seq
         q_flat, k_flat, v_flat, gamma, beta_flat, inverse, states, state_grads, do_flat, scale, plan.chunk_bounds,
         **({} if kernel_rstds is None else dict(q_rstd=kernel_rstds[0], k_rstd=kernel_rstds[1],
                                                  l2norm_backward=norm_in_kernel)))
+    return _finish(q, k, v, g, beta, dq_head, dk_head, dv, dg, dbeta, dh0, rstds, norm_in_kernel, num_qk_heads)
+
+
+def _finish(q, k, v, g, beta, dq_head, dk_head, dv, dg, dbeta, dh0, rstds, norm_in_kernel: bool, num_qk_heads: int):
+    """backward's result from the kernels' per-value-head gradients: the norm's backward (unless the kernel
+    applied it) and the sum over head groups, then the inputs' shapes and dtypes."""
     if rstds is not None and not norm_in_kernel:
-        dq, dk = (l2norm_backward(grad.view(-1, HEAD_DIM), x.reshape(-1, HEAD_DIM), rstd)
-                  for grad, x, rstd in ((dq_head, q, q_rstd), (dk_head, k, k_rstd)))
+        dq, dk = (l2norm_backward(grad.view(-1, HEAD_DIM), x.reshape(-1, HEAD_DIM), rstd.reshape(-1))
+                  for grad, x, rstd in ((dq_head, q, rstds[0]), (dk_head, k, rstds[1])))
     else:
         dq, dk = (sum_over_groups(grad, num_qk_heads, q.dtype) for grad in (dq_head, dk_head))
     return (

@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 from flashqla.hopper.backward_chunk_grads import compile_chunk_grads
+from flashqla.hopper.backward_fused import compile_fused_backward
 from flashqla.hopper.backward_state_grads import compile_state_grads
 from flashqla.hopper.causal_conv import compile_conv_backward, compile_conv_forward
 from flashqla.hopper.chunk_states import compile_chunk_states
@@ -38,6 +39,8 @@ COMPILE_CHECKS = [
     ("backward_chunk_grads", compile_chunk_grads),
     ("backward_chunk_grads_normalizing_qk", lambda: compile_chunk_grads(normalize_qk=True)),
     ("backward_chunk_grads_l2norm", lambda: compile_chunk_grads(normalize_qk=True, l2norm_backward=True)),
+    ("backward_fused", compile_fused_backward),
+    ("backward_fused_normalizing_qk", lambda: compile_fused_backward(normalize_qk=True)),
     ("causal_conv_forward", lambda: compile_conv_forward("bfloat16")),
     ("causal_conv_backward", lambda: compile_conv_backward("bfloat16")),
     ("causal_conv_forward_one_lane", lambda: compile_conv_forward("bfloat16", lanes=1)),  # odd widths

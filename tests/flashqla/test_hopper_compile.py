@@ -54,13 +54,17 @@ def test_kernel_spills_no_more_than_its_ceiling(name, build):
 
 
 def warp_specialised_kernels():
-    """(name, builder) of the kernels whose roles run on their own warpgroups: the forward walk."""
+    """(name, builder) of the kernels whose roles run on their own warpgroups: the forward walk and the fused
+    reverse walk."""
+    from flashqla.hopper.backward_fused import compile_fused_backward
     from flashqla.hopper.fused_forward import compile_fused_forward
 
     return [(f"fused_forward_{value_block}",
              lambda value_block=value_block: compile_fused_forward(value_block, store_chunk_states=True,
                                                                    store_products=True))
-            for value_block in (64, 128)]
+            for value_block in (64, 128)] + [
+        (f"fused_backward_{variant}", lambda normalize_qk=normalize_qk: compile_fused_backward(normalize_qk))
+        for variant, normalize_qk in (("plain", False), ("normalizing_qk", True))]
 
 
 @pytest.mark.parametrize("name,build", warp_specialised_kernels(), ids=[name for name, _ in warp_specialised_kernels()])

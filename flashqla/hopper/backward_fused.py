@@ -1,0 +1,609 @@
+"""The backward in one reverse walk (candidate; docs/kernel-notes.md, thirty-fourth session): the state
+gradient of docs/gdn-math.md §3.1 held on chip while the chunk gradients of §3.2-3.3 are made as it
+walks, so dS never goes through HBM and q, k, dO are read once.
+
+One CTA per (piece, value head), all 128 V columns, 512 threads in four roles that meet on mbarriers:
+
+- state (warpgroup 0): dS (K x V, float32, in registers). A chunk: hands dS1 over as bf16, then
+  dS0 = e^{gamma_C} dS1 + Q^T dOg + K^T dU (dOg = scale D r_q dO, dU = -D r_k dW);
+- delta (warpgroup 1), the state's partner on the chain: U = K S0, W = V - D U (in v's buffer),
+  Delta = Ab W; Pm^T dO before dS1 arrives, then dDelta = E K dS1 + Pm^T dO, dW = Ab^T dDelta (= dv),
+  dU; off the chain dk = E Delta dS1^T + dU S0^T + dPm^T Q + (X + X^T) K and dgamma's D and E terms;
+- products (warpgroup 2): Pm and Ab from Q K^T, A~ and one Gm for the others; dOg; the C x C half of
+  the gradients (dP, dAb, dbeta, dA~, T1, dL, dPm, X), dq = scale D dO S0^T + dPm K, and dg, dbeta;
+- loads (warpgroup 3): one warp each for q/k with gamma, beta, the decays and r; A~; v and S0; dO.
+
+Chunks are walked in lock-step: every shared buffer is single (227 KB hold one chunk's worth), each
+refilled or rewritten once all its readers released it; every barrier completes once a chunk, is
+arrived for chunk c only after its arrivers waited on what its waiters release after chunk c - 1, and
+is waited on in every chunk (warm-up chunks skip the work, not the barriers), so none can run two
+phases ahead of a waiter.
+
+dgamma's D and E terms come without U: rowsum(dU . U) - te = rowsum(K . (dU S0^T)) - rowsum(K . E Delta
+dS1^T) (both sides expand to sums over K S0 and K dS1), and those two products are dk's state terms.
+
+Pieces: a piece's CTA starts at walk_end (its sequence end, from dht, or a chunk boundary after the
+piece, from zero: the decay-truncated warm-up of walk_bounds.py) and makes gradients only for its own
+chunks; warm-up chunks run the state chain only (Pm, Ab, dOg, dDelta, dU).
+"""
+
+import functools
+from types import SimpleNamespace
+
+import tilelang.language as T
+import torch
+
+from flashqla.hopper.chunk_plan import PIECE_FIELDS
+from flashqla.hopper.common import CHUNK_SIZE, HEAD_DIM, WARPGROUP, compile_for_hopper, times_rstd
+
+_C = CHUNK_SIZE
+_THREADS = 4 * WARPGROUP
+# registers a thread after setmaxnreg: state, delta, products, loads (4 x 128 threads share 64K)
+_REGISTERS = (160, 168, 152, 32)
+_DEBUG_SKIP = set()
+
+
+def fused_backward_program(normalize_qk: bool = False):
+    K = V = HEAD_DIM
+    num_v_heads = T.dynamic("num_v_heads")
+    num_qk_heads = T.dynamic("num_qk_heads")
+    num_tokens = T.dynamic("num_tokens")
+    num_sequences = T.dynamic("num_sequences")
+    num_chunks = T.dynamic("num_chunks")
+    num_pieces = T.dynamic("num_pieces")
+    rstd_rows = T.dynamic("rstd_rows")
+    op = "bfloat16"
+    f32 = "float32"
+
+    def rq(sh):
+        return sh.q_rstd if normalize_qk else None
+
+    def rk(sh):
+        return sh.k_rstd if normalize_qk else None
+
+    def rows_tile(sh):
+        """dPm, then X, scaled by r along rows: its own tile with the norm, else the same as by columns."""
+        return sh.rows if normalize_qk else sh.cols
+
+    @T.macro
+    def state_role(sh, cta, dht, dh0):
+        T.set_max_nreg(_REGISTERS[0], 1)
+        ds = T.alloc_fragment((K, V), f32)
+        if cta.walk_last == cta.eos:
+            T.copy(dht[cta.seq, cta.head, 0:K, 0:V], ds)
+        else:  # truncated: what comes after the warm-up is below e^threshold
+            T.clear(ds)
+        for c in T.serial(cta.n_chunks):
+            if c > 0:
+                T.barrier_wait(sh.ds_free[0], (c - 1) % 2)
+            T.copy(ds, sh.ds)
+            T.fence_proxy_async()
+            T.barrier_arrive(sh.ds_ready[0])
+            T.barrier_wait(sh.qk_full[0], c % 2)
+            for i, j in T.Parallel(K, V):
+                ds[i, j] = ds[i, j] * sh.dec[_C - 1]
+            T.barrier_wait(sh.dog_ready[0], c % 2)
+            T.gemm(sh.q, sh.du, ds, transpose_A=True)
+            T.barrier_arrive(sh.dog_free[0])
+            T.barrier_wait(sh.du_ready[0], c % 2)
+            T.gemm(sh.k, sh.du, ds, transpose_A=True)
+            T.barrier_arrive(sh.du_free[0])
+            T.barrier_arrive(sh.qk_free[0])
+        if cta.walk_first == cta.bos:
+            T.copy(ds, dh0[cta.seq, cta.head, 0:K, 0:V])
+
+    @T.macro
+    def delta_chunk(sh, cta, c, own, dv, dk_head, acc, pm_do, dk, rows, row_sum, te):
+        """Chunk c of the delta role; own (a Python bool): a chunk of the piece, else a warm-up chunk (the
+        chain only). Two loops instead of a run-time branch: ptxas then sees no fragment live across chunks."""
+        if True:
+            start = cta.start_of(c)
+            length = T.min(cta.eos - start, _C)
+            T.barrier_wait(sh.qk_full[0], c % 2)
+            T.barrier_wait(sh.vs_full[0], c % 2)
+            T.barrier_wait(sh.prod_ready[0], c % 2)
+            if own:  # U = K S0, W = V - D U in v's buffer, Delta = Ab W
+                T.gemm(sh.k, sh.s0, acc, clear_accum=True)
+                # read whole, then written: an element-wise update in place gets a barrier per element
+                for t, d in T.Parallel(_C, V):
+                    acc[t, d] = T.cast(sh.w[t, d], f32) - times_rstd(sh.dec[t], rk(sh), t) * acc[t, d]
+                T.copy(acc, sh.w)
+                T.fence_proxy_async()
+                T.gemm(sh.ab, sh.w, acc, clear_accum=True)
+            if c > 0:
+                T.barrier_wait(sh.delta_free[0], (c - 1) % 2)
+            if own:
+                T.copy(acc, sh.delta)
+                T.fence_proxy_async()
+            T.barrier_arrive(sh.delta_ready[0])
+            # dDelta = E K dS1 + Pm^T dO: the second term before dS1 arrives
+            T.barrier_wait(sh.do_full[0], c % 2)
+            T.gemm(sh.pm, sh.do, pm_do, transpose_A=True, clear_accum=True)
+            T.barrier_arrive(sh.do_free[0])
+            T.barrier_wait(sh.ds_ready[0], c % 2)
+            T.gemm(sh.k, sh.ds, acc, clear_accum=True)
+            for t, d in T.Parallel(_C, V):
+                acc[t, d] = acc[t, d] * times_rstd(sh.rdec[t], rk(sh), t) + pm_do[t, d]
+            if c > 0:
+                T.barrier_wait(sh.dd_free[0], (c - 1) % 2)
+            for t, d in T.Parallel(_C, V):
+                sh.dd[t, d] = T.if_then_else(t < length, T.cast(acc[t, d], op), T.cast(0, op))
+            T.fence_proxy_async()
+            T.barrier_arrive(sh.dd_ready[0])
+            # dW = Ab^T dDelta = dv;  dU = -D r_k dW, for the state and dk
+            T.gemm(sh.ab, sh.dd, acc, transpose_A=True, clear_accum=True)
+            T.barrier_arrive(sh.dd_read[0])
+            T.barrier_arrive(sh.prod_free[0])
+            if own:
+                for t, d in T.Parallel(_C, V):
+                    if t < length:
+                        dv[start + t, cta.head, d] = T.cast(acc[t, d], op)
+            T.barrier_wait(sh.dog_free[0], c % 2)
+            for t, d in T.Parallel(_C, V):
+                sh.du[t, d] = T.cast(-times_rstd(sh.dec[t], rk(sh), t) * acc[t, d], op)
+            T.fence_proxy_async()
+            T.barrier_arrive(sh.du_ready[0])
+            # dk's state terms and dgamma's D and E terms (module docstring)
+            if own:
+                T.gemm(sh.delta, sh.ds, dk, transpose_B=True, clear_accum=True)
+            T.barrier_arrive(sh.ds_free[0])
+            if own:
+                for t, d in T.Parallel(_C, K):
+                    rows[t, d] = dk[t, d] * T.cast(sh.k[t, d], f32)
+                T.reduce_sum(rows, row_sum, dim=1, clear=True)
+                for t in T.Parallel(_C):
+                    te[t] = times_rstd(sh.rdec[t], rk(sh), t) * row_sum[t]
+                for t, d in T.Parallel(_C, K):
+                    dk[t, d] = dk[t, d] * times_rstd(sh.rdec[t], rk(sh), t)
+                T.gemm(sh.du, sh.s0, dk, transpose_B=True)
+            T.barrier_arrive(sh.du_free[0])
+            T.barrier_arrive(sh.vs_free[0])
+            if own:
+                for t, d in T.Parallel(_C, K):
+                    rows[t, d] = dk[t, d] * T.cast(sh.k[t, d], f32)
+                T.reduce_sum(rows, row_sum, dim=1, clear=True)
+                if normalize_qk:  # dk of k^: the terms above carry r_k once too often
+                    for t, d in T.Parallel(_C, K):
+                        dk[t, d] = dk[t, d] / sh.k_rstd[t]
+            if c > 0:
+                T.barrier_wait(sh.vg_free[0], (c - 1) % 2)
+            if own:
+                for t in T.Parallel(_C):
+                    sh.dgam_v[t] = row_sum[t] - 2.0 * te[t]
+                    sh.te[t] = te[t]
+            T.barrier_arrive(sh.vg_ready[0])
+            # dk += dPm^T Q + X K + X^T K (dPm, then X, from the products role)
+            T.barrier_wait(sh.dpm_ready[0], c % 2)
+            if own:
+                T.gemm(rows_tile(sh), sh.q, dk, transpose_A=True)
+            T.barrier_arrive(sh.dpm_read[0])
+            T.barrier_wait(sh.x_ready[0], c % 2)
+            if own:
+                T.gemm(sh.cols, sh.k, dk)
+                T.gemm(rows_tile(sh), sh.k, dk, transpose_A=True)
+                for t, d in T.Parallel(_C, K):
+                    if t < length:
+                        dk_head[start + t, cta.head, d] = T.cast(dk[t, d], op)
+            T.barrier_arrive(sh.x_free[0])
+            T.barrier_arrive(sh.qk_free[0])
+
+    @T.macro
+    def delta_role(sh, cta, dv, dk_head):
+        T.set_max_nreg(_REGISTERS[1], 1)
+        acc = T.alloc_fragment((_C, V), f32)
+        pm_do = T.alloc_fragment((_C, V), f32)
+        dk = T.alloc_fragment((_C, K), f32)
+        rows = T.alloc_fragment((_C, K), f32)
+        row_sum = T.alloc_fragment((_C,), f32)
+        te = T.alloc_fragment((_C,), f32)
+        for c in T.serial(cta.n_warm):
+            delta_chunk(sh, cta, c, False, dv, dk_head, acc, pm_do, dk, rows, row_sum, te)
+        for c in T.serial(cta.n_chunks - cta.n_warm):
+            delta_chunk(sh, cta, cta.n_warm + c, True, dv, dk_head, acc, pm_do, dk, rows, row_sum, te)
+
+    @T.macro
+    def role_sync(sh, parity):
+        """A barrier among the products role's 128 threads (an mbarrier: no block-wide barrier may run
+        while the other roles walk); parity: how many it has completed before, mod 2."""
+        T.barrier_arrive(sh.role_sync[0])
+        T.barrier_wait(sh.role_sync[0], parity)
+
+    @T.macro
+    def products_chunk(sh, cta, c, own, dq_head, dg, dbeta, lane, pmf, gm, dp, dab, dq, rows, row_sum, row_sum_cc,
+                       cc_s):
+        """Chunk c of the products role; own as in delta_chunk. Its role barriers come six a chunk (an even
+        number), so the k-th of a chunk completes phase k mod 2."""
+        # scalars assigned here are allocated here: a macro's assignment to an argument would rebind the name
+        dot_acc = T.alloc_local((8,), f32)
+        dot = T.alloc_var(f32)
+        column = T.alloc_var(f32)
+        total = T.alloc_var(f32)
+        chunk_decay = T.alloc_var(f32)  # e^{gamma_C}, read before the loads' arrays are released
+        if True:
+            start = cta.start_of(c)
+            length = T.min(cta.eos - start, _C)
+            T.barrier_wait(sh.qk_full[0], c % 2)
+            T.barrier_wait(sh.a_full[0], c % 2)
+            chunk_decay = sh.dec[_C - 1]
+            # Pm = scale Gm . Q^ K^^T and Ab = (Gm . A~) diag(beta), for the chain
+            T.gemm(sh.q, sh.k, pmf, transpose_B=True, clear_accum=True)
+            for t, s in T.Parallel(_C, _C):
+                gm[t, s] = T.if_then_else((s <= t) & (t < length), T.exp(sh.gam[t] - sh.gam[s]), 0.0)
+            for t, s in T.Parallel(_C, _C):
+                pmf[t, s] = times_rstd(times_rstd(cta.scale * pmf[t, s] * gm[t, s], rq(sh), t), rk(sh), s)
+            if c > 0:
+                T.barrier_wait(sh.prod_free[0], (c - 1) % 2)
+            for t, s in T.Parallel(_C, _C):
+                sh.pm[t, s] = T.cast(pmf[t, s], op)
+            for t, s in T.Parallel(_C, _C):
+                sh.ab[t, s] = T.cast(T.cast(sh.a[t, s], f32) * gm[t, s] * sh.beta[s], op)
+            T.fence_proxy_async()
+            T.barrier_arrive(sh.prod_ready[0])
+            # dOg = scale D r_q dO (rows past the end zero), in dU's buffer
+            T.barrier_wait(sh.do_full[0], c % 2)
+            if c > 0:
+                T.barrier_wait(sh.du_free[0], (c - 1) % 2)
+            for t, d in T.Parallel(_C, V):
+                sh.du[t, d] = T.if_then_else(
+                    t < length, T.cast(times_rstd(cta.scale * sh.dec[t], rq(sh), t) * T.cast(sh.do[t, d], f32), op),
+                    T.cast(0, op))
+            T.fence_proxy_async()
+            T.barrier_arrive(sh.dog_ready[0])
+            # <S0, dS1> for dg's e^{gamma_C} term: each thread a row half, then a warp sum
+            T.barrier_wait(sh.vs_full[0], c % 2)
+            T.barrier_wait(sh.ds_ready[0], c % 2)
+            if own:
+                for j in T.vectorized(8):
+                    dot_acc[j] = 0.0
+                for b in T.serial(V // 16):
+                    for j in T.vectorized(8):
+                        dot_acc[j] = dot_acc[j] + T.cast(sh.s0[lane, b * 8 + j], f32) * T.cast(sh.ds[lane, b * 8 + j], f32)
+                dot = dot_acc[0]
+                for j in T.unroll(1, 8):
+                    dot = dot + dot_acc[j]
+                for b in T.serial(V // 16):
+                    for j in T.vectorized(8):
+                        dot_acc[j] = T.cast(sh.s0[lane, V // 2 + b * 8 + j], f32) * \
+                            T.cast(sh.ds[lane, V // 2 + b * 8 + j], f32)
+                    for j in T.unroll(8):
+                        dot = dot + dot_acc[j]
+                dot = T.warp_reduce_sum(dot)
+                if lane % 32 == 0:
+                    sh.dot_part[lane // 32] = dot
+            T.barrier_arrive(sh.ds_free[0])
+            # dP = dO Delta^T; dPm = scale Gm . dP, r_k along columns (dq's K) and r_q along rows (dk's Q)
+            T.barrier_wait(sh.delta_ready[0], c % 2)
+            if own:
+                T.gemm(sh.do, sh.delta, dp, transpose_B=True, clear_accum=True)
+            T.barrier_arrive(sh.delta_free[0])
+            if c > 0:
+                T.barrier_wait(sh.x_free[0], (c - 1) % 2)
+            if own:
+                for t, s in T.Parallel(_C, _C):
+                    sh.cols[t, s] = T.cast(times_rstd(cta.scale * dp[t, s] * gm[t, s], rk(sh), s), op)
+                if normalize_qk:
+                    for t, s in T.Parallel(_C, _C):
+                        sh.rows[t, s] = T.cast(cta.scale * dp[t, s] * gm[t, s] * sh.q_rstd[t], op)
+                T.fence_proxy_async()
+            T.barrier_arrive(sh.dpm_ready[0])
+            if own:  # dP's part of dGm . Gm (the rest below): pmf is read for the last time
+                for t, s in T.Parallel(_C, _C):
+                    dp[t, s] = dp[t, s] * pmf[t, s]
+            # dAb = dDelta W^T
+            T.barrier_wait(sh.dd_ready[0], c % 2)
+            if own:
+                T.gemm(sh.dd, sh.w, dab, transpose_B=True, clear_accum=True)
+            T.barrier_wait(sh.dd_read[0], c % 2)
+            if own:
+                # dbeta: column sums of dAb . Ag (Ag = Gm . A~)
+                for t, s in T.Parallel(_C, _C):
+                    cc_s[t, s] = dab[t, s] * gm[t, s] * T.cast(sh.a[t, s], f32)
+                role_sync(sh, 0)
+                if lane < _C:
+                    column = 0.0
+                    for r in T.serial(_C):
+                        column = column + cc_s[r, lane]
+                    sh.dbeta[lane] = column
+                role_sync(sh, 1)
+                # dA~ = Gm . dAb diag(beta), in Pm's buffer (the delta role's last read of Pm came before dDelta)
+                for t, s in T.Parallel(_C, _C):
+                    sh.pm[t, s] = T.cast(dab[t, s] * sh.beta[s] * gm[t, s], op)
+                T.fence_proxy_async()
+                # dGm . Gm = dAg . Ag + scale dP . Gm . Q^K^T: dgamma gains its row sums and loses its column sums
+                for t, s in T.Parallel(_C, _C):
+                    dp[t, s] = dp[t, s] + dab[t, s] * sh.beta[s] * gm[t, s] * T.cast(sh.a[t, s], f32)
+                T.reduce_sum(dp, row_sum_cc, dim=1, clear=True)
+                for t, s in T.Parallel(_C, _C):
+                    cc_s[t, s] = dp[t, s]
+                role_sync(sh, 0)
+                if lane < _C:
+                    column = 0.0
+                    for r in T.serial(_C):
+                        column = column + cc_s[r, lane]
+                    sh.dgam_a[lane] = -column
+                role_sync(sh, 1)
+            T.barrier_arrive(sh.dd_free[0])
+            if own:
+                # dq = scale D dO S0^T + dPm K^; dgamma gains rowsum(dq's first term . Q^)
+                T.gemm(sh.do, sh.s0, dq, transpose_B=True, clear_accum=True)
+            T.barrier_arrive(sh.do_free[0])
+            T.barrier_arrive(sh.vs_free[0])
+            if own:
+                for t, d in T.Parallel(_C, K):
+                    dq[t, d] = dq[t, d] * (cta.scale * sh.dec[t])
+                for t, d in T.Parallel(_C, K):
+                    rows[t, d] = dq[t, d] * T.cast(sh.q[t, d], f32)
+                T.reduce_sum(rows, row_sum, dim=1, clear=True)
+                for t in T.Parallel(_C):
+                    sh.dgam_a[t] = sh.dgam_a[t] + row_sum_cc[t] + times_rstd(row_sum[t], rq(sh), t)
+                T.gemm(sh.cols, sh.k, dq)
+                for t, d in T.Parallel(_C, K):
+                    if t < length:
+                        dq_head[start + t, cta.head, d] = T.cast(dq[t, d], op)
+                # T1 = A~^T dA~ (into dA~'s buffer), dL = -strict lower(T1 A~^T), and K K^T for dbeta
+                T.gemm(sh.a, sh.pm, dp, transpose_A=True, clear_accum=True)
+                for t, s in T.Parallel(_C, _C):
+                    sh.pm[t, s] = T.cast(dp[t, s], op)
+                T.fence_proxy_async()
+                T.gemm(sh.pm, sh.a, dab, transpose_B=True, clear_accum=True)
+                for t, s in T.Parallel(_C, _C):
+                    dab[t, s] = T.if_then_else(s < t, -dab[t, s], 0.0)
+                T.gemm(sh.k, sh.k, dp, transpose_B=True, clear_accum=True)
+                for t, s in T.Parallel(_C, _C):
+                    dp[t, s] = times_rstd(times_rstd(dab[t, s] * dp[t, s], rk(sh), t), rk(sh), s)
+                T.reduce_sum(dp, row_sum, dim=1, clear=True)
+            T.barrier_arrive(sh.a_free[0])
+            # X = diag(beta) dL into dPm's tiles once the delta role has read them
+            T.barrier_wait(sh.dpm_read[0], c % 2)
+            if own:
+                for t, s in T.Parallel(_C, _C):
+                    sh.cols[t, s] = T.cast(times_rstd(dab[t, s] * sh.beta[t], rk(sh), s), op)
+                if normalize_qk:
+                    for t, s in T.Parallel(_C, _C):
+                        sh.rows[t, s] = T.cast(dab[t, s] * sh.beta[t] * sh.k_rstd[t], op)
+                T.fence_proxy_async()
+            T.barrier_arrive(sh.x_ready[0])
+            T.barrier_arrive(sh.qk_free[0])
+            # dg_t = e^{gamma_C} <S0, dS1> + sum te + sum_{j >= t} dgamma_j over the chunk's rows
+            T.barrier_wait(sh.vg_ready[0], c % 2)
+            if own:
+                for t in T.Parallel(_C):
+                    sh.dgam_a[t] = T.if_then_else(t < length, sh.dgam_a[t] + sh.dgam_v[t], 0.0)
+                    sh.dbeta[t] = sh.dbeta[t] + row_sum[t]
+                role_sync(sh, 0)
+                if lane < length:
+                    total = sh.dot_part[0] + sh.dot_part[1] + sh.dot_part[2] + sh.dot_part[3]
+                    total = total * chunk_decay
+                    for r in T.serial(_C):
+                        total = total + sh.te[r] + T.if_then_else(r >= lane, sh.dgam_a[r], 0.0)
+                    dg[start + lane, cta.head] = total
+                    dbeta[start + lane, cta.head] = sh.dbeta[lane]
+                role_sync(sh, 1)
+            T.barrier_arrive(sh.vg_free[0])
+
+    @T.macro
+    def products_role(sh, cta, dq_head, dg, dbeta):
+        T.set_max_nreg(_REGISTERS[2], 1)
+        lane = T.get_thread_binding() - 2 * WARPGROUP
+        pmf = T.alloc_fragment((_C, _C), f32)   # scale Gm . Q^K^T, in float32
+        gm = T.alloc_fragment((_C, _C), f32)
+        dp = T.alloc_fragment((_C, _C), f32)
+        dab = T.alloc_fragment((_C, _C), f32)
+        dq = T.alloc_fragment((_C, K), f32)
+        rows = T.alloc_fragment((_C, K), f32)
+        row_sum = T.alloc_fragment((_C,), f32)
+        row_sum_cc = T.alloc_fragment((_C,), f32)
+        cc_s = T.view(sh.dd, (_C, _C), f32)   # float32 scratch for column sums, in dDelta's bytes
+        args = (dq_head, dg, dbeta, lane, pmf, gm, dp, dab, dq, rows, row_sum, row_sum_cc, cc_s)
+        for c in T.serial(cta.n_warm):
+            products_chunk(sh, cta, c, False, *args)
+        for c in T.serial(cta.n_chunks - cta.n_warm):
+            products_chunk(sh, cta, cta.n_warm + c, True, *args)
+
+    @T.macro
+    def load_qk(sh, cta, q, k, gamma, beta, q_rstd, k_rstd):
+        lane = T.get_thread_binding() % 32
+        if normalize_qk:  # held in a variable: inlined into the r loads' indices it is a 64-bit division
+            qk_head = T.alloc_var("int32")
+            qk_head = cta.qk_head
+        for c in T.serial(cta.n_chunks):
+            start = cta.start_of(c)
+            last = T.min(cta.eos - start, _C) - 1
+            if c > 0:
+                T.barrier_wait(sh.qk_free[0], (c - 1) % 2)
+            T.tma_copy(q[start:start + _C, cta.qk_head, 0:K], sh.q, barrier=sh.qk_full[0])
+            T.tma_copy(k[start:start + _C, cta.qk_head, 0:K], sh.k, barrier=sh.qk_full[0])
+            # gamma clamped past the end (e^{gamma_C} is the decay over the real tokens); beta and E zero there
+            for h in T.serial(2):
+                t = lane + 32 * h
+                sh.gam[t] = gamma[start + T.min(t, last), cta.head]
+                sh.beta[t] = T.if_then_else(t <= last, beta[start + T.min(t, last), cta.head], 0.0)
+                if normalize_qk:
+                    sh.q_rstd[t] = q_rstd[T.min(start + t, num_tokens - 1), qk_head]
+                    sh.k_rstd[t] = k_rstd[T.min(start + t, num_tokens - 1), qk_head]
+            for h in T.serial(2):
+                t = lane + 32 * h
+                sh.dec[t] = T.exp(sh.gam[t])
+                sh.rdec[t] = T.if_then_else(t <= last, T.exp(gamma[start + last, cta.head] - sh.gam[t]), 0.0)
+            T.barrier_arrive(sh.qk_full[0])
+
+    @T.macro
+    def load_inverse(sh, cta, inverse):
+        for c in T.serial(cta.n_chunks):
+            start = cta.start_of(c)
+            if c > 0:
+                T.barrier_wait(sh.a_free[0], (c - 1) % 2)
+            T.tma_copy(inverse[start:start + _C, cta.head, 0:_C], sh.a, barrier=sh.a_full[0])
+            T.barrier_arrive(sh.a_full[0])
+
+    @T.macro
+    def load_v_state(sh, cta, v, chunk_states):
+        for c in T.serial(cta.n_chunks):
+            start = cta.start_of(c)
+            if c > 0:
+                T.barrier_wait(sh.vs_free[0], (c - 1) % 2)
+            if start < cta.piece_end:  # warm-up chunks read neither
+                T.tma_copy(v[start:start + _C, cta.head, 0:V], sh.w, barrier=sh.vs_full[0])
+                T.tma_copy(chunk_states[cta.first_chunk + (start - cta.bos) // _C, cta.head, 0:K, 0:V], sh.s0,
+                           barrier=sh.vs_full[0])
+            T.barrier_arrive(sh.vs_full[0])
+
+    @T.macro
+    def load_do(sh, cta, do):
+        for c in T.serial(cta.n_chunks):
+            start = cta.start_of(c)
+            if c > 0:
+                T.barrier_wait(sh.do_free[0], (c - 1) % 2)
+            T.tma_copy(do[start:start + _C, cta.head, 0:V], sh.do, barrier=sh.do_full[0])
+            T.barrier_arrive(sh.do_full[0])
+
+    @T.prim_func
+    def fused_backward_kernel(
+        q: T.Tensor((num_tokens, num_qk_heads, K), op),
+        k: T.Tensor((num_tokens, num_qk_heads, K), op),
+        v: T.Tensor((num_tokens, num_v_heads, V), op),
+        gamma: T.Tensor((num_tokens, num_v_heads), f32),
+        beta: T.Tensor((num_tokens, num_v_heads), f32),
+        inverse: T.Tensor((num_tokens, num_v_heads, _C), op),
+        chunk_states: T.Tensor((num_chunks, num_v_heads, K, V), op),
+        do: T.Tensor((num_tokens, num_v_heads, V), op),
+        dht: T.Tensor((num_sequences, num_v_heads, K, V), f32),
+        cu_seqlens: T.Tensor((num_sequences + 1,), "int32"),
+        chunk_offsets: T.Tensor((num_sequences + 1,), "int32"),
+        piece_table: T.Tensor((num_pieces, PIECE_FIELDS), "int32"),
+        walk_end: T.Tensor((num_pieces, num_v_heads), "int32"),
+        q_rstd: T.Tensor((rstd_rows, num_qk_heads), f32),
+        k_rstd: T.Tensor((rstd_rows, num_qk_heads), f32),
+        dq_head: T.Tensor((num_tokens, num_v_heads, K), op),
+        dk_head: T.Tensor((num_tokens, num_v_heads, K), op),
+        dv: T.Tensor((num_tokens, num_v_heads, V), op),
+        dg: T.Tensor((num_tokens, num_v_heads), f32),
+        dbeta: T.Tensor((num_tokens, num_v_heads), f32),
+        dh0: T.Tensor((num_sequences, num_v_heads, K, V), f32),
+        scale: T.float32,
+    ):
+        with T.Kernel(num_v_heads, num_pieces, threads=_THREADS) as (head, piece):
+            seq = piece_table[piece, 0]
+            bos = cu_seqlens[seq]
+            walk_last = walk_end[piece, head]
+            # chunks are aligned to the sequence start; the walk's first chunk is the one holding walk_last - 1
+            top = bos + (walk_last - bos + _C - 1) // _C * _C
+            walk_first = piece_table[piece, 1]
+            piece_end = piece_table[piece, 2]
+            cta = SimpleNamespace(
+                head=head, qk_head=head // (num_v_heads // num_qk_heads), seq=seq, bos=bos, eos=cu_seqlens[seq + 1],
+                walk_first=walk_first, walk_last=walk_last, piece_end=piece_end,
+                n_chunks=(top - walk_first) // _C, n_warm=(top - walk_first) // _C - (piece_end - walk_first + _C - 1) // _C,
+                first_chunk=chunk_offsets[seq], scale=scale,
+                start_of=lambda c: top - (c + 1) * _C)
+            sh = SimpleNamespace(
+                q=T.alloc_shared((_C, K), op),
+                k=T.alloc_shared((_C, K), op),
+                w=T.alloc_shared((_C, V), op),        # v by TMA, then W in place
+                do=T.alloc_shared((_C, V), op),
+                a=T.alloc_shared((_C, _C), op),       # A~
+                s0=T.alloc_shared((K, V), op),
+                ds=T.alloc_shared((K, V), op),        # dS1, from the state role
+                pm=T.alloc_shared((_C, _C), op),      # Pm, then dA~, then T1
+                ab=T.alloc_shared((_C, _C), op),
+                delta=T.alloc_shared((_C, V), op),
+                dd=T.alloc_shared((_C, V), op),       # dDelta, then float32 scratch of the products role
+                du=T.alloc_shared((_C, V), op),       # dOg, then dU
+                cols=T.alloc_shared((_C, _C), op),    # dPm, then X (r_k along columns)
+                rows=T.alloc_shared((_C, _C), op) if normalize_qk else None,   # the same, r along rows
+                gam=T.alloc_shared((_C,), f32),
+                beta=T.alloc_shared((_C,), f32),
+                dec=T.alloc_shared((_C,), f32),       # e^{gamma_t}
+                rdec=T.alloc_shared((_C,), f32),      # e^{gamma_C - gamma_t}, zero past the end
+                q_rstd=T.alloc_shared((_C,), f32) if normalize_qk else None,
+                k_rstd=T.alloc_shared((_C,), f32) if normalize_qk else None,
+                dgam_a=T.alloc_shared((_C,), f32),
+                dgam_v=T.alloc_shared((_C,), f32),
+                te=T.alloc_shared((_C,), f32),
+                dbeta=T.alloc_shared((_C,), f32),
+                dot_part=T.alloc_shared((4,), f32),
+                qk_full=T.alloc_barrier(arrive_count=[32]),
+                qk_free=T.alloc_barrier(arrive_count=[3 * WARPGROUP]),
+                a_full=T.alloc_barrier(arrive_count=[32]),
+                a_free=T.alloc_barrier(arrive_count=[WARPGROUP]),
+                vs_full=T.alloc_barrier(arrive_count=[32]),
+                vs_free=T.alloc_barrier(arrive_count=[2 * WARPGROUP]),
+                do_full=T.alloc_barrier(arrive_count=[32]),
+                do_free=T.alloc_barrier(arrive_count=[2 * WARPGROUP]),
+                ds_ready=T.alloc_barrier(arrive_count=[WARPGROUP]),
+                ds_free=T.alloc_barrier(arrive_count=[2 * WARPGROUP]),
+                prod_ready=T.alloc_barrier(arrive_count=[WARPGROUP]),
+                prod_free=T.alloc_barrier(arrive_count=[WARPGROUP]),
+                dog_ready=T.alloc_barrier(arrive_count=[WARPGROUP]),
+                dog_free=T.alloc_barrier(arrive_count=[WARPGROUP]),
+                du_ready=T.alloc_barrier(arrive_count=[WARPGROUP]),
+                du_free=T.alloc_barrier(arrive_count=[2 * WARPGROUP]),
+                delta_ready=T.alloc_barrier(arrive_count=[WARPGROUP]),
+                delta_free=T.alloc_barrier(arrive_count=[WARPGROUP]),
+                dd_ready=T.alloc_barrier(arrive_count=[WARPGROUP]),
+                dd_read=T.alloc_barrier(arrive_count=[WARPGROUP]),
+                dd_free=T.alloc_barrier(arrive_count=[WARPGROUP]),
+                dpm_ready=T.alloc_barrier(arrive_count=[WARPGROUP]),
+                dpm_read=T.alloc_barrier(arrive_count=[WARPGROUP]),
+                x_ready=T.alloc_barrier(arrive_count=[WARPGROUP]),
+                x_free=T.alloc_barrier(arrive_count=[WARPGROUP]),
+                vg_ready=T.alloc_barrier(arrive_count=[WARPGROUP]),
+                vg_free=T.alloc_barrier(arrive_count=[WARPGROUP]),
+                role_sync=T.alloc_barrier(arrive_count=[WARPGROUP]),
+            )
+            tx = T.get_thread_binding()
+            if tx < WARPGROUP:
+                if "state" not in _DEBUG_SKIP:
+                    state_role(sh, cta, dht, dh0)
+            elif tx < 2 * WARPGROUP:
+                if "delta" not in _DEBUG_SKIP:
+                    delta_role(sh, cta, dv, dk_head)
+            elif tx < 3 * WARPGROUP:
+                if "products" not in _DEBUG_SKIP:
+                    products_role(sh, cta, dq_head, dg, dbeta)
+            else:
+                T.set_max_nreg(_REGISTERS[3], 0)
+                if tx < 3 * WARPGROUP + 32:
+                    load_qk(sh, cta, q, k, gamma, beta, q_rstd, k_rstd)
+                elif tx < 3 * WARPGROUP + 64:
+                    load_inverse(sh, cta, inverse)
+                elif tx < 3 * WARPGROUP + 96:
+                    load_v_state(sh, cta, v, chunk_states)
+                else:
+                    load_do(sh, cta, do)
+
+    return fused_backward_kernel
+
+
+@functools.lru_cache(maxsize=None)
+def compile_fused_backward(normalize_qk: bool = False):
+    return compile_for_hopper(fused_backward_program(normalize_qk), fast_math=True)
+
+
+def fused_backward_grads(q, k, v, gamma, beta, inverse, chunk_states, do, dht, scale, cu_seqlens, offsets, pieces,
+                         walk_end, rstds: tuple | None = None):
+    """(dq, dk per value head, dv, dg, dbeta, dh0) on flattened bf16 inputs.
+
+    q, k: [T, Hqk, 128]; v, do: [T, Hv, 128]; gamma (chunk-local cumsum), beta: float32 [T, Hv]; inverse (A~):
+    [T, Hv, 64]; chunk_states: [num_chunks, Hv, 128, 128] entering every chunk; dht: float32 [N, Hv, 128, 128];
+    cu_seqlens, offsets: int32 [N + 1]; pieces: chunk_plan.plan_pieces(..., value_blocks=1); walk_end: their
+    walk_bounds(ahead=True). rstds: (q_rstd, k_rstd) float32 [T, Hqk] when q, k are the L2 norm's inputs: dq, dk
+    are then those of q^, k^ (the norm's backward is the caller's).
+    dq, dk, dv bf16 [T, Hv, 128]; dg, dbeta float32 [T, Hv]; dh0 float32 [N, Hv, 128, 128].
+    """
+    num_tokens = q.shape[0]
+    num_v_heads = v.shape[1]
+    bf16 = dict(dtype=torch.bfloat16, device=q.device)
+    f32 = dict(dtype=torch.float32, device=q.device)
+    dq = torch.empty(num_tokens, num_v_heads, HEAD_DIM, **bf16)
+    dk = torch.empty(num_tokens, num_v_heads, HEAD_DIM, **bf16)
+    dv = torch.empty(num_tokens, num_v_heads, HEAD_DIM, **bf16)
+    dg = torch.empty(num_tokens, num_v_heads, **f32)
+    dbeta = torch.empty(num_tokens, num_v_heads, **f32)
+    dh0 = torch.empty(cu_seqlens.numel() - 1, num_v_heads, HEAD_DIM, HEAD_DIM, **f32)
+    kernel = compile_fused_backward(rstds is not None)
+    if rstds is None:
+        rstds = (torch.empty(1, q.shape[1], **f32),) * 2
+    kernel(q, k, v, gamma, beta, inverse, chunk_states, do, dht, cu_seqlens, offsets, pieces, walk_end, *rstds,
+           dq, dk, dv, dg, dbeta, dh0, float(scale))
+    return dq, dk, dv, dg, dbeta, dh0
