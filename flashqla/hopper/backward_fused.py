@@ -40,7 +40,6 @@ _C = CHUNK_SIZE
 _THREADS = 4 * WARPGROUP
 # registers a thread after setmaxnreg: state, delta, products, loads (4 x 128 threads share 64K)
 _REGISTERS = (160, 168, 152, 32)
-_DEBUG_SKIP = set()
 
 
 def fused_backward_program(normalize_qk: bool = False):
@@ -553,14 +552,11 @@ def fused_backward_program(normalize_qk: bool = False):
             )
             tx = T.get_thread_binding()
             if tx < WARPGROUP:
-                if "state" not in _DEBUG_SKIP:
-                    state_role(sh, cta, dht, dh0)
+                state_role(sh, cta, dht, dh0)
             elif tx < 2 * WARPGROUP:
-                if "delta" not in _DEBUG_SKIP:
-                    delta_role(sh, cta, dv, dk_head)
+                delta_role(sh, cta, dv, dk_head)
             elif tx < 3 * WARPGROUP:
-                if "products" not in _DEBUG_SKIP:
-                    products_role(sh, cta, dq_head, dg, dbeta)
+                products_role(sh, cta, dq_head, dg, dbeta)
             else:
                 T.set_max_nreg(_REGISTERS[3], 0)
                 if tx < 3 * WARPGROUP + 32:
