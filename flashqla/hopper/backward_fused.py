@@ -11,6 +11,7 @@ One CTA per (piece, value head), all 128 V columns, 512 threads in four roles th
   dU; off the chain dk = E Delta dS1^T + dU S0^T + dPm^T Q + (X + X^T) K and dgamma's D and E terms;
 - products (warpgroup 2): Pm and Ab from Q K^T, A~ and one Gm for the others; dOg; the C x C half of
   the gradients (dP, dAb, dbeta, dA~, T1, dL, dPm, X), dq = scale D dO S0^T + dPm K, and dg, dbeta;
+  the column sums of C x C products go through a float32 scratch in dDelta's bytes;
 - loads (warpgroup 3): one warp each for q/k with gamma, beta, the decays and r; A~; v and S0; dO.
 
 Chunks are walked in lock-step: every shared buffer is single (227 KB hold one chunk's worth), each
@@ -18,6 +19,11 @@ refilled or rewritten once all its readers released it; every barrier completes 
 arrived for chunk c only after its arrivers waited on what its waiters release after chunk c - 1, and
 is waited on in every chunk (warm-up chunks skip the work, not the barriers), so none can run two
 phases ahead of a waiter.
+
+With the L2 norm (q^ = diag(r_q) q, k^ = diag(r_k) k, r per row) dq and dk are accumulated as r_q dq and r_k dk
+and divided once at the end: then one tile Z = diag(r_q) dPm diag(r_k) serves both dq (Z K) and dk (Z^T Q), and
+one Y = diag(r_k) X diag(r_k) both of dk's X terms (Y K, Y^T K), where r on one side only would need a second
+tile for each (and shared memory has no room for it).
 
 dgamma's D and E terms come without U: rowsum(dU . U) - te = rowsum(K . (dU S0^T)) - rowsum(K . E Delta
 dS1^T) (both sides expand to sums over K S0 and K dS1), and those two products are dk's state terms.
@@ -59,10 +65,6 @@ def fused_backward_program(normalize_qk: bool = False):
 
     def rk(sh):
         return sh.k_rstd if normalize_qk else None
-
-    def rows_tile(sh):
-        """dPm, then X, scaled by r along rows: its own tile with the norm, else the same as by columns."""
-        return sh.rows if normalize_qk else sh.cols
 
     @T.macro
     def state_role(sh, cta, dht, dh0):
@@ -161,9 +163,6 @@ def fused_backward_program(normalize_qk: bool = False):
                 for t, d in T.Parallel(_C, K):
                     rows[t, d] = dk[t, d] * T.cast(sh.k[t, d], f32)
                 T.reduce_sum(rows, row_sum, dim=1, clear=True)
-                if normalize_qk:  # dk of k^: the terms above carry r_k once too often
-                    for t, d in T.Parallel(_C, K):
-                        dk[t, d] = dk[t, d] / sh.k_rstd[t]
             if c > 0:
                 T.barrier_wait(sh.vg_free[0], (c - 1) % 2)
             if own:
@@ -171,15 +170,18 @@ def fused_backward_program(normalize_qk: bool = False):
                     sh.dgam_v[t] = row_sum[t] - 2.0 * te[t]
                     sh.te[t] = te[t]
             T.barrier_arrive(sh.vg_ready[0])
-            # dk += dPm^T Q + X K + X^T K (dPm, then X, from the products role)
+            # dk += dPm^T Q^ + X K^ + X^T K^, as r_k dk: Z^T Q + Y K + Y^T K (module docstring)
             T.barrier_wait(sh.dpm_ready[0], c % 2)
             if own:
-                T.gemm(rows_tile(sh), sh.q, dk, transpose_A=True)
+                T.gemm(sh.cols, sh.q, dk, transpose_A=True)
             T.barrier_arrive(sh.dpm_read[0])
             T.barrier_wait(sh.x_ready[0], c % 2)
             if own:
                 T.gemm(sh.cols, sh.k, dk)
-                T.gemm(rows_tile(sh), sh.k, dk, transpose_A=True)
+                T.gemm(sh.cols, sh.k, dk, transpose_A=True)
+                if normalize_qk:
+                    for t, d in T.Parallel(_C, K):
+                        dk[t, d] = dk[t, d] / sh.k_rstd[t]
                 for t, d in T.Parallel(_C, K):
                     if t < length:
                         dk_head[start + t, cta.head, d] = T.cast(dk[t, d], op)
@@ -277,12 +279,10 @@ def fused_backward_program(normalize_qk: bool = False):
             T.barrier_arrive(sh.delta_free[0])
             if c > 0:
                 T.barrier_wait(sh.x_free[0], (c - 1) % 2)
-            if own:
+            if own:  # Z = diag(r_q) dPm diag(r_k), dPm = scale Gm . dP
                 for t, s in T.Parallel(_C, _C):
-                    sh.cols[t, s] = T.cast(times_rstd(cta.scale * dp[t, s] * gm[t, s], rk(sh), s), op)
-                if normalize_qk:
-                    for t, s in T.Parallel(_C, _C):
-                        sh.rows[t, s] = T.cast(cta.scale * dp[t, s] * gm[t, s] * sh.q_rstd[t], op)
+                    sh.cols[t, s] = T.cast(times_rstd(times_rstd(cta.scale * dp[t, s] * gm[t, s], rq(sh), t), rk(sh), s),
+                                           op)
                 T.fence_proxy_async()
             T.barrier_arrive(sh.dpm_ready[0])
             if own:  # dP's part of dGm . Gm (the rest below): pmf is read for the last time
@@ -328,14 +328,18 @@ def fused_backward_program(normalize_qk: bool = False):
             T.barrier_arrive(sh.do_free[0])
             T.barrier_arrive(sh.vs_free[0])
             if own:
+                # as r_q dq: r_q scale D dO S0^T + Z K (module docstring)
                 for t, d in T.Parallel(_C, K):
-                    dq[t, d] = dq[t, d] * (cta.scale * sh.dec[t])
+                    dq[t, d] = dq[t, d] * times_rstd(cta.scale * sh.dec[t], rq(sh), t)
                 for t, d in T.Parallel(_C, K):
                     rows[t, d] = dq[t, d] * T.cast(sh.q[t, d], f32)
                 T.reduce_sum(rows, row_sum, dim=1, clear=True)
                 for t in T.Parallel(_C):
-                    sh.dgam_a[t] = sh.dgam_a[t] + row_sum_cc[t] + times_rstd(row_sum[t], rq(sh), t)
+                    sh.dgam_a[t] = sh.dgam_a[t] + row_sum_cc[t] + row_sum[t]
                 T.gemm(sh.cols, sh.k, dq)
+                if normalize_qk:
+                    for t, d in T.Parallel(_C, K):
+                        dq[t, d] = dq[t, d] / sh.q_rstd[t]
                 for t, d in T.Parallel(_C, K):
                     if t < length:
                         dq_head[start + t, cta.head, d] = T.cast(dq[t, d], op)
@@ -352,14 +356,11 @@ def fused_backward_program(normalize_qk: bool = False):
                     dp[t, s] = times_rstd(times_rstd(dab[t, s] * dp[t, s], rk(sh), t), rk(sh), s)
                 T.reduce_sum(dp, row_sum, dim=1, clear=True)
             T.barrier_arrive(sh.a_free[0])
-            # X = diag(beta) dL into dPm's tiles once the delta role has read them
+            # Y = diag(r_k) X diag(r_k), X = diag(beta) dL, into Z's tile once the delta role has read it
             T.barrier_wait(sh.dpm_read[0], c % 2)
             if own:
                 for t, s in T.Parallel(_C, _C):
-                    sh.cols[t, s] = T.cast(times_rstd(dab[t, s] * sh.beta[t], rk(sh), s), op)
-                if normalize_qk:
-                    for t, s in T.Parallel(_C, _C):
-                        sh.rows[t, s] = T.cast(dab[t, s] * sh.beta[t] * sh.k_rstd[t], op)
+                    sh.cols[t, s] = T.cast(times_rstd(times_rstd(dab[t, s] * sh.beta[t], rk(sh), t), rk(sh), s), op)
                 T.fence_proxy_async()
             T.barrier_arrive(sh.x_ready[0])
             T.barrier_arrive(sh.qk_free[0])
@@ -508,8 +509,7 @@ def fused_backward_program(normalize_qk: bool = False):
                 delta=T.alloc_shared((_C, V), op),
                 dd=T.alloc_shared((_C, V), op),       # dDelta, then float32 scratch of the products role
                 du=T.alloc_shared((_C, V), op),       # dOg, then dU
-                cols=T.alloc_shared((_C, _C), op),    # dPm, then X (r_k along columns)
-                rows=T.alloc_shared((_C, _C), op) if normalize_qk else None,   # the same, r along rows
+                cols=T.alloc_shared((_C, _C), op),    # Z (dPm), then Y (X), scaled by r on both sides
                 gam=T.alloc_shared((_C,), f32),
                 beta=T.alloc_shared((_C,), f32),
                 dec=T.alloc_shared((_C,), f32),       # e^{gamma_t}
