@@ -1,7 +1,8 @@
-"""Where a chunk's time goes in the forward walk, role by role, from the SM's clock (needs an SM90 GPU).
+"""Where a chunk's time goes in the forward walk (or with --backward the fused reverse walk), role by role, from
+the SM's clock (needs an SM90 GPU).
 
     python tools/walk_timeline.py [--heads 16/64] [--lengths 32768] [--keep everything|nothing]
-                                  [--skip 4] [--option NAME] [--json PATH]
+                                  [--skip 4] [--option NAME] [--json PATH] [--backward [--model]]
 
 Runs flashqla/hopper/fused_forward.py's walk once with `record_timeline` (each role's first thread
 reads clock64 at the TIMELINE_EVENTS of its loop, for the first TIMELINE_CHUNKS chunks of every CTA)
@@ -65,8 +66,13 @@ def main(argv=None) -> None:
     parser.add_argument("--skip", type=int, default=4, help="first chunks of every CTA left out")
     parser.add_argument("--option", action="append", default=[],
                         help="a keyword of fused_forward to set True (a candidate's switch); repeatable")
+    parser.add_argument("--backward", action="store_true",
+                        help="the fused reverse walk (flashqla/hopper/backward_fused.py) instead of the forward's")
+    parser.add_argument("--model", action="store_true", help="with --backward: the op as the model calls it (L2 norm)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    if args.backward:
+        return backward_timeline(args)
 
     import torch
 
@@ -93,6 +99,47 @@ def main(argv=None) -> None:
     summary = summarize(stamps.cpu().numpy(), TIMELINE_EVENTS, args.skip)
     print(f"{args.heads} x {args.lengths}, storing {args.keep}, V block {plan.value_block}, "
           f"{stamps.shape[0]} CTAs" + "".join(f", {name}" for name in args.option))
+    print("\n".join(format_summary(summary)))
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=1))
+
+
+def backward_timeline(args) -> None:
+    """The fused reverse walk's timeline on the bench's inputs from the forward's kept tensors; its chunk period is
+    the state role's (one chunk of the state gradient's chain)."""
+    import torch
+
+    from flashqla.bench import make_inputs
+    from flashqla.hopper.backward import backward
+    from flashqla.hopper.backward_fused import TIMELINE_EVENTS, timeline_shape
+    from flashqla.hopper.chunk_plan import device_sm_count, plan_pieces
+    from flashqla.hopper.forward import forward
+
+    heads = tuple(int(h) for h in args.heads.split("/"))
+    x = make_inputs(heads, [int(n) for n in args.lengths.split(",")], like_the_model=args.model)
+    host = x["cu_seqlens_cpu"].tolist()
+    inputs = (x["q"], x["k"], x["v"], x["g"], x["beta"], 128 ** -0.5, x["initial_state"])
+    o, _, kept, *rstds = forward(*inputs, x["output_final_state"], x["cu_seqlens"], cu_seqlens_host=host,
+                                 keep_for_backward=True, normalize_qk=args.model)
+    do = torch.randn_like(o)
+    dht = None if args.model else torch.randn_like(x["initial_state"])
+    norm = dict(zip(("q_rstd", "k_rstd"), rstds[0])) if args.model else {}
+    pieces = plan_pieces(x["cu_seqlens"], heads[1], 1, device_sm_count(o.device))
+    stamps = torch.zeros(timeline_shape(pieces.shape[0], heads[1]), dtype=torch.int64, device=o.device)
+
+    def run(timeline=None):
+        return backward(*inputs, x["cu_seqlens"], do, dht, cu_seqlens_host=host, kept=kept, fused_reverse=True,
+                        timeline=timeline, **norm)
+
+    plain = run()
+    run(stamps)  # compiles the recording kernel
+    stamps.zero_()
+    recorded = run(stamps)
+    torch.cuda.synchronize()
+    if not all(torch.equal(a, b) for a, b in zip(plain, recorded)):
+        raise AssertionError("the recording walk's gradients differ from the walk's")
+    summary = summarize(stamps.cpu().numpy(), TIMELINE_EVENTS, args.skip)
+    print(f"backward {args.heads} x {args.lengths}{' (the model)' if args.model else ''}, {stamps.shape[0]} CTAs")
     print("\n".join(format_summary(summary)))
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1))

@@ -31,7 +31,8 @@ MAX_VALUE_BLOCK = 64
 
 def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seqlens_host: list[int] | None = None,
              kept: KeptForward | None = None, log_decay_threshold: float = DEFAULT_LOG_DECAY_THRESHOLD,
-             q_rstd: torch.Tensor | None = None, k_rstd: torch.Tensor | None = None, fused_reverse: bool = False):
+             q_rstd: torch.Tensor | None = None, k_rstd: torch.Tensor | None = None, fused_reverse: bool = False,
+             timeline: torch.Tensor | None = None):
     """Gradients of (o, final_state) for inputs as given to `forward.forward`.
 
     q, k: [B, T, Hqk, 128]; v, do: [B, T, Hv, 128]; g, beta: [B, T, Hv]; initial_state, dht:
@@ -51,7 +52,8 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seq
     those of the op on q^, k^, carried through the norm to q and k. q and k must then be contiguous (the
     Function saves them so).
     fused_reverse: steps 2 and 3 in one reverse walk (backward_fused.py; a candidate the public op does not
-    reach: tests/flashqla/test_hopper_backward_fused.py and bench --compare backward_fused run it).
+    reach: tests/flashqla/test_hopper_backward_fused.py and bench --compare backward_fused run it); timeline: its
+    clock stamps (backward_fused.timeline_shape for plan_pieces(cu_seqlens, Hv, 1, SMs); tools/walk_timeline.py).
     """
     reason = unsupported_inputs(q, v)
     if reason is not None:
@@ -115,7 +117,7 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seq
         walk_end = walk_bounds(gamma, pieces, cu_seqlens, ahead=True, log_decay_threshold=log_decay_threshold)
         dq_head, dk_head, dv, dg, dbeta, dh0 = fused_backward_grads(
             q_flat, k_flat, v_flat, gamma, beta_flat, inverse, states, do_flat, dht, scale, cu_seqlens, offsets,
-            pieces, walk_end, rstds=kernel_rstds)
+            pieces, walk_end, rstds=kernel_rstds, timeline=timeline)
         return _finish(q, k, v, g, beta, dq_head, dk_head, dv, dg, dbeta, dh0, rstds, False, num_qk_heads)
     walk = state_gradient_walk(plan, gamma, cu_seqlens, cu_seqlens_host, num_v_heads, sm_count, log_decay_threshold)
     state_grads, dh0 = state_gradients(q_flat, k_flat, gamma, gated_inverse, scores, do_flat, dht, scale,

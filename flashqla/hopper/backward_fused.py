@@ -46,9 +46,23 @@ _C = CHUNK_SIZE
 _THREADS = 4 * WARPGROUP
 # registers a thread after setmaxnreg: state, delta, products, loads (4 x 128 threads share 64K)
 _REGISTERS = (160, 168, 152, 32)
+# record_timeline: the points of a chunk at which each role's first thread reads the SM's clock, in loop order,
+# for the first TIMELINE_CHUNKS chunks of every CTA (tools/walk_timeline.py --backward summarises them)
+TIMELINE_EVENTS = {
+    "state": ("top", "ds_free", "ds_handed", "tiles", "dog_ready", "q_dog", "du_ready", "k_du"),
+    "delta": ("top", "tiles", "delta", "delta_handed", "pm_do", "ds_ready", "dd_handed", "dw", "du_handed", "dk_state",
+              "vg_handed", "dpm_ready", "zq", "x_ready", "dk_stored"),
+    "products": ("top", "tiles", "products", "dog_handed", "dot", "delta_ready", "dp", "z_handed", "dd_ready", "dab",
+                 "dd_read", "colsums", "dq", "t1_dl", "dpm_read", "y_handed", "vg_ready", "epilogue"),
+    "loads": ("qk_free", "issued"),
+}
+TIMELINE_CHUNKS = 64
+_TIMELINE_SLOTS = max(len(events) for events in TIMELINE_EVENTS.values())
+_ROLE_LEADERS = {"state": 0, "delta": WARPGROUP, "products": 2 * WARPGROUP, "loads": 3 * WARPGROUP}
 
 
-def fused_backward_program(normalize_qk: bool = False):
+def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = False):
+    """record_timeline: also write the clock at every TIMELINE_EVENTS point (a diagnostic: same outputs)."""
     K = V = HEAD_DIM
     num_v_heads = T.dynamic("num_v_heads")
     num_qk_heads = T.dynamic("num_qk_heads")
@@ -57,8 +71,16 @@ def fused_backward_program(normalize_qk: bool = False):
     num_chunks = T.dynamic("num_chunks")
     num_pieces = T.dynamic("num_pieces")
     rstd_rows = T.dynamic("rstd_rows")
+    timeline_ctas = T.dynamic("timeline_ctas")
     op = "bfloat16"
     f32 = "float32"
+
+    @T.macro
+    def stamp(cta, role, c, event):
+        if record_timeline:
+            if T.get_thread_binding() == _ROLE_LEADERS[role] and c < TIMELINE_CHUNKS:
+                cta.timeline[cta.index, list(TIMELINE_EVENTS).index(role), c,
+                             TIMELINE_EVENTS[role].index(event)] = T.call_extern("int64", "clock64")
 
     def rq(sh):
         return sh.q_rstd if normalize_qk else None
@@ -75,19 +97,27 @@ def fused_backward_program(normalize_qk: bool = False):
         else:  # truncated: what comes after the warm-up is below e^threshold
             T.clear(ds)
         for c in T.serial(cta.n_chunks):
+            stamp(cta, "state", c, "top")
             if c > 0:
                 T.barrier_wait(sh.ds_free[0], (c - 1) % 2)
+            stamp(cta, "state", c, "ds_free")
             T.copy(ds, sh.ds)
             T.fence_proxy_async()
             T.barrier_arrive(sh.ds_ready[0])
+            stamp(cta, "state", c, "ds_handed")
             T.barrier_wait(sh.qk_full[0], c % 2)
+            stamp(cta, "state", c, "tiles")
             for i, j in T.Parallel(K, V):
                 ds[i, j] = ds[i, j] * sh.dec[_C - 1]
             T.barrier_wait(sh.dog_ready[0], c % 2)
+            stamp(cta, "state", c, "dog_ready")
             T.gemm(sh.q, sh.du, ds, transpose_A=True)
+            stamp(cta, "state", c, "q_dog")
             T.barrier_arrive(sh.dog_free[0])
             T.barrier_wait(sh.du_ready[0], c % 2)
+            stamp(cta, "state", c, "du_ready")
             T.gemm(sh.k, sh.du, ds, transpose_A=True)
+            stamp(cta, "state", c, "k_du")
             T.barrier_arrive(sh.du_free[0])
             T.barrier_arrive(sh.qk_free[0])
         if cta.walk_first == cta.bos:
@@ -100,9 +130,11 @@ def fused_backward_program(normalize_qk: bool = False):
         if True:
             start = cta.start_of(c)
             length = T.min(cta.eos - start, _C)
+            stamp(cta, "delta", c, "top")
             T.barrier_wait(sh.qk_full[0], c % 2)
             T.barrier_wait(sh.vs_full[0], c % 2)
             T.barrier_wait(sh.prod_ready[0], c % 2)
+            stamp(cta, "delta", c, "tiles")
             if own:  # U = K S0, W = V - D U in v's buffer, Delta = Ab W
                 T.gemm(sh.k, sh.s0, acc, clear_accum=True)
                 # read whole, then written: an element-wise update in place gets a barrier per element
@@ -111,17 +143,21 @@ def fused_backward_program(normalize_qk: bool = False):
                 T.copy(acc, sh.w)
                 T.fence_proxy_async()
                 T.gemm(sh.ab, sh.w, acc, clear_accum=True)
+                stamp(cta, "delta", c, "delta")
             if c > 0:
                 T.barrier_wait(sh.delta_free[0], (c - 1) % 2)
             if own:
                 T.copy(acc, sh.delta)
                 T.fence_proxy_async()
             T.barrier_arrive(sh.delta_ready[0])
+            stamp(cta, "delta", c, "delta_handed")
             # dDelta = E K dS1 + Pm^T dO: the second term before dS1 arrives
             T.barrier_wait(sh.do_full[0], c % 2)
             T.gemm(sh.pm, sh.do, pm_do, transpose_A=True, clear_accum=True)
             T.barrier_arrive(sh.do_free[0])
+            stamp(cta, "delta", c, "pm_do")
             T.barrier_wait(sh.ds_ready[0], c % 2)
+            stamp(cta, "delta", c, "ds_ready")
             T.gemm(sh.k, sh.ds, acc, clear_accum=True)
             for t, d in T.Parallel(_C, V):
                 acc[t, d] = acc[t, d] * times_rstd(sh.rdec[t], rk(sh), t) + pm_do[t, d]
@@ -131,10 +167,12 @@ def fused_backward_program(normalize_qk: bool = False):
                 sh.dd[t, d] = T.if_then_else(t < length, T.cast(acc[t, d], op), T.cast(0, op))
             T.fence_proxy_async()
             T.barrier_arrive(sh.dd_ready[0])
+            stamp(cta, "delta", c, "dd_handed")
             # dW = Ab^T dDelta = dv;  dU = -D r_k dW, for the state and dk
             T.gemm(sh.ab, sh.dd, acc, transpose_A=True, clear_accum=True)
             T.barrier_arrive(sh.dd_read[0])
             T.barrier_arrive(sh.prod_free[0])
+            stamp(cta, "delta", c, "dw")
             if own:
                 for t, d in T.Parallel(_C, V):
                     if t < length:
@@ -144,6 +182,7 @@ def fused_backward_program(normalize_qk: bool = False):
                 sh.du[t, d] = T.cast(-times_rstd(sh.dec[t], rk(sh), t) * acc[t, d], op)
             T.fence_proxy_async()
             T.barrier_arrive(sh.du_ready[0])
+            stamp(cta, "delta", c, "du_handed")
             # dk's state terms and dgamma's D and E terms (module docstring)
             if own:
                 T.gemm(sh.delta, sh.ds, dk, transpose_B=True, clear_accum=True)
@@ -159,6 +198,7 @@ def fused_backward_program(normalize_qk: bool = False):
                 T.gemm(sh.du, sh.s0, dk, transpose_B=True)
             T.barrier_arrive(sh.du_free[0])
             T.barrier_arrive(sh.vs_free[0])
+            stamp(cta, "delta", c, "dk_state")
             if own:
                 for t, d in T.Parallel(_C, K):
                     rows[t, d] = dk[t, d] * T.cast(sh.k[t, d], f32)
@@ -170,12 +210,16 @@ def fused_backward_program(normalize_qk: bool = False):
                     sh.dgam_v[t] = row_sum[t] - 2.0 * te[t]
                     sh.te[t] = te[t]
             T.barrier_arrive(sh.vg_ready[0])
+            stamp(cta, "delta", c, "vg_handed")
             # dk += dPm^T Q^ + X K^ + X^T K^, as r_k dk: Z^T Q + Y K + Y^T K (module docstring)
             T.barrier_wait(sh.dpm_ready[0], c % 2)
+            stamp(cta, "delta", c, "dpm_ready")
             if own:
                 T.gemm(sh.cols, sh.q, dk, transpose_A=True)
             T.barrier_arrive(sh.dpm_read[0])
+            stamp(cta, "delta", c, "zq")
             T.barrier_wait(sh.x_ready[0], c % 2)
+            stamp(cta, "delta", c, "x_ready")
             if own:
                 T.gemm(sh.cols, sh.k, dk)
                 T.gemm(sh.cols, sh.k, dk, transpose_A=True)
@@ -187,6 +231,7 @@ def fused_backward_program(normalize_qk: bool = False):
                         dk_head[start + t, cta.head, d] = T.cast(dk[t, d], op)
             T.barrier_arrive(sh.x_free[0])
             T.barrier_arrive(sh.qk_free[0])
+            stamp(cta, "delta", c, "dk_stored")
 
     @T.macro
     def delta_role(sh, cta, dv, dk_head):
@@ -223,8 +268,10 @@ def fused_backward_program(normalize_qk: bool = False):
         if True:
             start = cta.start_of(c)
             length = T.min(cta.eos - start, _C)
+            stamp(cta, "products", c, "top")
             T.barrier_wait(sh.qk_full[0], c % 2)
             T.barrier_wait(sh.a_full[0], c % 2)
+            stamp(cta, "products", c, "tiles")
             chunk_decay = sh.dec[_C - 1]
             # Pm = scale Gm . Q^ K^^T and Ab = (Gm . A~) diag(beta), for the chain
             T.gemm(sh.q, sh.k, pmf, transpose_B=True, clear_accum=True)
@@ -240,6 +287,7 @@ def fused_backward_program(normalize_qk: bool = False):
                 sh.ab[t, s] = T.cast(T.cast(sh.a[t, s], f32) * gm[t, s] * sh.beta[s], op)
             T.fence_proxy_async()
             T.barrier_arrive(sh.prod_ready[0])
+            stamp(cta, "products", c, "products")
             # dOg = scale D r_q dO (rows past the end zero), in dU's buffer
             T.barrier_wait(sh.do_full[0], c % 2)
             if c > 0:
@@ -250,6 +298,7 @@ def fused_backward_program(normalize_qk: bool = False):
                     T.cast(0, op))
             T.fence_proxy_async()
             T.barrier_arrive(sh.dog_ready[0])
+            stamp(cta, "products", c, "dog_handed")
             # <S0, dS1> for dg's e^{gamma_C} term: each thread a row half, then a warp sum
             T.barrier_wait(sh.vs_full[0], c % 2)
             T.barrier_wait(sh.ds_ready[0], c % 2)
@@ -272,11 +321,14 @@ def fused_backward_program(normalize_qk: bool = False):
                 if lane % 32 == 0:
                     sh.dot_part[lane // 32] = dot
             T.barrier_arrive(sh.ds_free[0])
+            stamp(cta, "products", c, "dot")
             # dP = dO Delta^T; dPm = scale Gm . dP, r_k along columns (dq's K) and r_q along rows (dk's Q)
             T.barrier_wait(sh.delta_ready[0], c % 2)
+            stamp(cta, "products", c, "delta_ready")
             if own:
                 T.gemm(sh.do, sh.delta, dp, transpose_B=True, clear_accum=True)
             T.barrier_arrive(sh.delta_free[0])
+            stamp(cta, "products", c, "dp")
             if c > 0:
                 T.barrier_wait(sh.x_free[0], (c - 1) % 2)
             if own:  # Z = diag(r_q) dPm diag(r_k), dPm = scale Gm . dP
@@ -285,14 +337,18 @@ def fused_backward_program(normalize_qk: bool = False):
                                            op)
                 T.fence_proxy_async()
             T.barrier_arrive(sh.dpm_ready[0])
+            stamp(cta, "products", c, "z_handed")
             if own:  # dP's part of dGm . Gm (the rest below): pmf is read for the last time
                 for t, s in T.Parallel(_C, _C):
                     dp[t, s] = dp[t, s] * pmf[t, s]
             # dAb = dDelta W^T
             T.barrier_wait(sh.dd_ready[0], c % 2)
+            stamp(cta, "products", c, "dd_ready")
             if own:
                 T.gemm(sh.dd, sh.w, dab, transpose_B=True, clear_accum=True)
+                stamp(cta, "products", c, "dab")
             T.barrier_wait(sh.dd_read[0], c % 2)
+            stamp(cta, "products", c, "dd_read")
             if own:
                 # dbeta: column sums of dAb . Ag (Ag = Gm . A~)
                 for t, s in T.Parallel(_C, _C):
@@ -322,6 +378,7 @@ def fused_backward_program(normalize_qk: bool = False):
                     sh.dgam_a[lane] = -column
                 role_sync(sh, 1)
             T.barrier_arrive(sh.dd_free[0])
+            stamp(cta, "products", c, "colsums")
             if own:
                 # dq = scale D dO S0^T + dPm K^; dgamma gains rowsum(dq's first term . Q^)
                 T.gemm(sh.do, sh.s0, dq, transpose_B=True, clear_accum=True)
@@ -343,6 +400,7 @@ def fused_backward_program(normalize_qk: bool = False):
                 for t, d in T.Parallel(_C, K):
                     if t < length:
                         dq_head[start + t, cta.head, d] = T.cast(dq[t, d], op)
+                stamp(cta, "products", c, "dq")
                 # T1 = A~^T dA~ (into dA~'s buffer), dL = -strict lower(T1 A~^T), and K K^T for dbeta
                 T.gemm(sh.a, sh.pm, dp, transpose_A=True, clear_accum=True)
                 for t, s in T.Parallel(_C, _C):
@@ -356,16 +414,20 @@ def fused_backward_program(normalize_qk: bool = False):
                     dp[t, s] = times_rstd(times_rstd(dab[t, s] * dp[t, s], rk(sh), t), rk(sh), s)
                 T.reduce_sum(dp, row_sum, dim=1, clear=True)
             T.barrier_arrive(sh.a_free[0])
+            stamp(cta, "products", c, "t1_dl")
             # Y = diag(r_k) X diag(r_k), X = diag(beta) dL, into Z's tile once the delta role has read it
             T.barrier_wait(sh.dpm_read[0], c % 2)
+            stamp(cta, "products", c, "dpm_read")
             if own:
                 for t, s in T.Parallel(_C, _C):
                     sh.cols[t, s] = T.cast(times_rstd(times_rstd(dab[t, s] * sh.beta[t], rk(sh), t), rk(sh), s), op)
                 T.fence_proxy_async()
             T.barrier_arrive(sh.x_ready[0])
             T.barrier_arrive(sh.qk_free[0])
+            stamp(cta, "products", c, "y_handed")
             # dg_t = e^{gamma_C} <S0, dS1> + sum te + sum_{j >= t} dgamma_j over the chunk's rows
             T.barrier_wait(sh.vg_ready[0], c % 2)
+            stamp(cta, "products", c, "vg_ready")
             if own:
                 for t in T.Parallel(_C):
                     sh.dgam_a[t] = T.if_then_else(t < length, sh.dgam_a[t] + sh.dgam_v[t], 0.0)
@@ -380,6 +442,7 @@ def fused_backward_program(normalize_qk: bool = False):
                     dbeta[start + lane, cta.head] = sh.dbeta[lane]
                 role_sync(sh, 1)
             T.barrier_arrive(sh.vg_free[0])
+            stamp(cta, "products", c, "epilogue")
 
     @T.macro
     def products_role(sh, cta, dq_head, dg, dbeta):
@@ -411,6 +474,7 @@ def fused_backward_program(normalize_qk: bool = False):
             last = T.min(cta.eos - start, _C) - 1
             if c > 0:
                 T.barrier_wait(sh.qk_free[0], (c - 1) % 2)
+                stamp(cta, "loads", c, "qk_free")
             T.tma_copy(q[start:start + _C, cta.qk_head, 0:K], sh.q, barrier=sh.qk_full[0])
             T.tma_copy(k[start:start + _C, cta.qk_head, 0:K], sh.k, barrier=sh.qk_full[0])
             # gamma clamped past the end (e^{gamma_C} is the decay over the real tokens); beta and E zero there
@@ -426,6 +490,7 @@ def fused_backward_program(normalize_qk: bool = False):
                 sh.dec[t] = T.exp(sh.gam[t])
                 sh.rdec[t] = T.if_then_else(t <= last, T.exp(gamma[start + last, cta.head] - sh.gam[t]), 0.0)
             T.barrier_arrive(sh.qk_full[0])
+            stamp(cta, "loads", c, "issued")
 
     @T.macro
     def load_inverse(sh, cta, inverse):
@@ -480,6 +545,7 @@ def fused_backward_program(normalize_qk: bool = False):
         dg: T.Tensor((num_tokens, num_v_heads), f32),
         dbeta: T.Tensor((num_tokens, num_v_heads), f32),
         dh0: T.Tensor((num_sequences, num_v_heads, K, V), f32),
+        timeline: T.Tensor((timeline_ctas, len(TIMELINE_EVENTS), TIMELINE_CHUNKS, _TIMELINE_SLOTS), "int64"),
         scale: T.float32,
     ):
         with T.Kernel(num_v_heads, num_pieces, threads=_THREADS) as (head, piece):
@@ -494,7 +560,7 @@ def fused_backward_program(normalize_qk: bool = False):
                 head=head, qk_head=head // (num_v_heads // num_qk_heads), seq=seq, bos=bos, eos=cu_seqlens[seq + 1],
                 walk_first=walk_first, walk_last=walk_last, piece_end=piece_end,
                 n_chunks=(top - walk_first) // _C, n_warm=(top - walk_first) // _C - (piece_end - walk_first + _C - 1) // _C,
-                first_chunk=chunk_offsets[seq], scale=scale,
+                first_chunk=chunk_offsets[seq], scale=scale, timeline=timeline, index=piece * num_v_heads + head,
                 start_of=lambda c: top - (c + 1) * _C)
             sh = SimpleNamespace(
                 q=T.alloc_shared((_C, K), op),
@@ -572,19 +638,20 @@ def fused_backward_program(normalize_qk: bool = False):
 
 
 @functools.lru_cache(maxsize=None)
-def compile_fused_backward(normalize_qk: bool = False):
-    return compile_for_hopper(fused_backward_program(normalize_qk), fast_math=True)
+def compile_fused_backward(normalize_qk: bool = False, record_timeline: bool = False):
+    return compile_for_hopper(fused_backward_program(normalize_qk, record_timeline), fast_math=True)
 
 
 def fused_backward_grads(q, k, v, gamma, beta, inverse, chunk_states, do, dht, scale, cu_seqlens, offsets, pieces,
-                         walk_end, rstds: tuple | None = None):
+                         walk_end, rstds: tuple | None = None, timeline: torch.Tensor | None = None):
     """(dq, dk per value head, dv, dg, dbeta, dh0) on flattened bf16 inputs.
 
     q, k: [T, Hqk, 128]; v, do: [T, Hv, 128]; gamma (chunk-local cumsum), beta: float32 [T, Hv]; inverse (A~):
     [T, Hv, 64]; chunk_states: [num_chunks, Hv, 128, 128] entering every chunk; dht: float32 [N, Hv, 128, 128];
     cu_seqlens, offsets: int32 [N + 1]; pieces: chunk_plan.plan_pieces(..., value_blocks=1); walk_end: their
     walk_bounds(ahead=True). rstds: (q_rstd, k_rstd) float32 [T, Hqk] when q, k are the L2 norm's inputs: dq, dk
-    are then those of q^, k^ (the norm's backward is the caller's).
+    are then those of q^, k^ (the norm's backward is the caller's). timeline: int64 [P * Hv, 4, TIMELINE_CHUNKS,
+    slots] (timeline_shape) to fill with the clock at each role's TIMELINE_EVENTS; the outputs are unchanged.
     dq, dk, dv bf16 [T, Hv, 128]; dg, dbeta float32 [T, Hv]; dh0 float32 [N, Hv, 128, 128].
     """
     num_tokens = q.shape[0]
@@ -597,9 +664,20 @@ def fused_backward_grads(q, k, v, gamma, beta, inverse, chunk_states, do, dht, s
     dg = torch.empty(num_tokens, num_v_heads, **f32)
     dbeta = torch.empty(num_tokens, num_v_heads, **f32)
     dh0 = torch.empty(cu_seqlens.numel() - 1, num_v_heads, HEAD_DIM, HEAD_DIM, **f32)
-    kernel = compile_fused_backward(rstds is not None)
+    kernel = compile_fused_backward(rstds is not None, timeline is not None)
     if rstds is None:
         rstds = (torch.empty(1, q.shape[1], **f32),) * 2
+    if timeline is None:
+        timeline = torch.empty(1, len(TIMELINE_EVENTS), TIMELINE_CHUNKS, _TIMELINE_SLOTS, dtype=torch.int64,
+                               device=q.device)
+    elif tuple(timeline.shape) != timeline_shape(pieces.shape[0], num_v_heads):
+        raise ValueError(f"fused_backward_grads: timeline must be int64 {list(timeline_shape(pieces.shape[0], num_v_heads))}"
+                         f", got {list(timeline.shape)}")
     kernel(q, k, v, gamma, beta, inverse, chunk_states, do, dht, cu_seqlens, offsets, pieces, walk_end, *rstds,
-           dq, dk, dv, dg, dbeta, dh0, float(scale))
+           dq, dk, dv, dg, dbeta, dh0, timeline, float(scale))
     return dq, dk, dv, dg, dbeta, dh0
+
+
+def timeline_shape(num_pieces: int, num_v_heads: int) -> tuple[int, int, int, int]:
+    """fused_backward_grads' timeline: (CTA = piece * Hv + head, role in TIMELINE_EVENTS' order, chunk, event)."""
+    return (num_pieces * num_v_heads, len(TIMELINE_EVENTS), TIMELINE_CHUNKS, _TIMELINE_SLOTS)

@@ -39,6 +39,10 @@ SPILL_CEILINGS = {
     "backward_chunk_grads": 20,
     "backward_chunk_grads_normalizing_qk": 32,
     "backward_chunk_grads_l2norm": 48,
+    # the fused reverse walk (candidate): its products role at 152 registers (the state role needs 160, the delta
+    # role 168, the loads 32)
+    "backward_fused": 704,
+    "backward_fused_normalizing_qk": 1232,
 }
 
 
