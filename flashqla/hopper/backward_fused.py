@@ -4,12 +4,12 @@ walks, so dS never goes through HBM and q, k, dO are read once.
 
 One CTA per (piece, value head), all 128 V columns, 512 threads in four roles that meet on mbarriers:
 
-- state (warpgroup 0): dS (K x V, float32, in registers). A chunk: hands dS1 over as bf16, then
-  dS0 = e^{gamma_C} dS1 + Q^T dOg + K^T dU (dOg = scale D r_q dO, dU = -D r_k dW);
+- state (warpgroup 0): dS (K x V, float32, in registers). A chunk: hands dS1 over as bf16, makes
+  dOg = scale D r_q dO, then dS0 = e^{gamma_C} dS1 + Q^T dOg + K^T dU (dU = -D r_k dW);
 - delta (warpgroup 1), the state's partner on the chain: U = K S0, W = V - D U (in v's buffer),
   Delta = Ab W; Pm^T dO before dS1 arrives, then dDelta = E K dS1 + Pm^T dO, dW = Ab^T dDelta (= dv),
-  dU; off the chain dk = E Delta dS1^T + dU S0^T + dPm^T Q + (X + X^T) K and dgamma's D and E terms;
-- products (warpgroup 2): Pm and Ab from Q K^T, A~ and one Gm for the others; dOg; the C x C half of
+  dU; off the chain dk = E Delta dS1^T + dU S0^T + dPm^T Q + (X + X^T) K, dgamma's D and E terms and <S0, dS1>;
+- products (warpgroup 2): Pm and Ab from Q K^T, A~ and one Gm for the others; the C x C half of
   the gradients (dP, dAb, dbeta, dA~, T1, dL, dPm, X), dq = scale D dO S0^T + dPm K, and dg, dbeta;
   the column sums of C x C products go through a float32 scratch in dDelta's bytes;
 - loads (warpgroup 3): one warp each for q/k with gamma, beta, the decays and r; A~; v and S0; dO.
@@ -49,10 +49,10 @@ _REGISTERS = (160, 168, 152, 32)
 # record_timeline: the points of a chunk at which each role's first thread reads the SM's clock, in loop order,
 # for the first TIMELINE_CHUNKS chunks of every CTA (tools/walk_timeline.py --backward summarises them)
 TIMELINE_EVENTS = {
-    "state": ("top", "ds_free", "ds_handed", "tiles", "dog_ready", "q_dog", "du_ready", "k_du"),
+    "state": ("top", "ds_free", "ds_handed", "tiles", "dog_made", "q_dog", "du_ready", "k_du"),
     "delta": ("top", "tiles", "delta", "delta_handed", "pm_do", "ds_ready", "dd_handed", "dw", "du_handed", "dk_state",
               "vg_handed", "dpm_ready", "zq", "x_ready", "dk_stored"),
-    "products": ("top", "tiles", "products", "dog_handed", "dot", "delta_ready", "dp", "z_handed", "dd_ready", "dab",
+    "products": ("top", "tiles", "products", "delta_ready", "dp", "z_handed", "dd_ready", "dab",
                  "dd_read", "colsums", "dq", "t1_dl", "dpm_read", "y_handed", "vg_ready", "epilogue"),
     "loads": ("qk_free", "issued"),
 }
@@ -109,8 +109,17 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
             stamp(cta, "state", c, "tiles")
             for i, j in T.Parallel(K, V):
                 ds[i, j] = ds[i, j] * sh.dec[_C - 1]
-            T.barrier_wait(sh.dog_ready[0], c % 2)
-            stamp(cta, "state", c, "dog_ready")
+            # dOg = scale D r_q dO (rows past the end zero), in dU's buffer once dU of the chunk before is read
+            T.barrier_wait(sh.do_full[0], c % 2)
+            if c > 0:
+                T.barrier_wait(sh.du_free[0], (c - 1) % 2)
+            for t, d in T.Parallel(_C, V):
+                sh.du[t, d] = T.if_then_else(
+                    t < cta.eos - cta.start_of(c),
+                    T.cast(times_rstd(cta.scale * sh.dec[t], rq(sh), t) * T.cast(sh.do[t, d], f32), op), T.cast(0, op))
+            T.fence_proxy_async()
+            T.barrier_arrive(sh.do_free[0])
+            stamp(cta, "state", c, "dog_made")
             T.gemm(sh.q, sh.du, ds, transpose_A=True)
             stamp(cta, "state", c, "q_dog")
             T.barrier_arrive(sh.dog_free[0])
@@ -127,6 +136,9 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
     def delta_chunk(sh, cta, c, own, dv, dk_head, acc, pm_do, dk, rows, row_sum, te):
         """Chunk c of the delta role; own (a Python bool): a chunk of the piece, else a warm-up chunk (the
         chain only). Two loops instead of a run-time branch: ptxas then sees no fragment live across chunks."""
+        lane = T.get_thread_binding() - WARPGROUP
+        dot_acc = T.alloc_local((8,), f32)
+        dot = T.alloc_var(f32)
         if True:
             start = cta.start_of(c)
             length = T.min(cta.eos - start, _C)
@@ -186,6 +198,16 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
             # dk's state terms and dgamma's D and E terms (module docstring)
             if own:
                 T.gemm(sh.delta, sh.ds, dk, transpose_B=True, clear_accum=True)
+                # <S0, dS1> for dg's e^{gamma_C} term: each thread one row, then a warp sum
+                for j in T.vectorized(8):
+                    dot_acc[j] = 0.0
+                for b in T.unroll(V // 8):
+                    for j in T.vectorized(8):
+                        dot_acc[j] = dot_acc[j] + T.cast(sh.s0[lane, b * 8 + j], f32) * T.cast(sh.ds[lane, b * 8 + j], f32)
+                dot = dot_acc[0]
+                for j in T.unroll(1, 8):
+                    dot = dot + dot_acc[j]
+                dot = T.warp_reduce_sum(dot)
             T.barrier_arrive(sh.ds_free[0])
             if own:
                 for t, d in T.Parallel(_C, K):
@@ -209,6 +231,8 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
                 for t in T.Parallel(_C):
                     sh.dgam_v[t] = row_sum[t] - 2.0 * te[t]
                     sh.te[t] = te[t]
+                if lane % 32 == 0:
+                    sh.dot_part[lane // 32] = dot
             T.barrier_arrive(sh.vg_ready[0])
             stamp(cta, "delta", c, "vg_handed")
             # dk += dPm^T Q^ + X K^ + X^T K^, as r_k dk: Z^T Q + Y K + Y^T K (module docstring)
@@ -248,6 +272,18 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
             delta_chunk(sh, cta, cta.n_warm + c, True, dv, dk_head, acc, pm_do, dk, rows, row_sum, te)
 
     @T.macro
+    def column_sum(cc_s, lane, out, sign):
+        """out[s] = sign * the sum of column s of the float32 tile cc_s, by the products role's 128 threads: two a
+        column, each over half its rows (unrolled, so the loads go out back to back), then one shuffle."""
+        partial = T.alloc_var(f32)
+        partial = 0.0
+        for r in T.unroll(_C // 2):
+            partial = partial + cc_s[(lane % 2) * (_C // 2) + r, lane // 2]
+        partial = partial + T.shfl_down(partial, 1)
+        if lane % 2 == 0:
+            out[lane // 2] = sign * partial
+
+    @T.macro
     def role_sync(sh, parity):
         """A barrier among the products role's 128 threads (an mbarrier: no block-wide barrier may run
         while the other roles walk); parity: how many it has completed before, mod 2."""
@@ -260,10 +296,10 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
         """Chunk c of the products role; own as in delta_chunk. Its role barriers come six a chunk (an even
         number), so the k-th of a chunk completes phase k mod 2."""
         # scalars assigned here are allocated here: a macro's assignment to an argument would rebind the name
-        dot_acc = T.alloc_local((8,), f32)
-        dot = T.alloc_var(f32)
-        column = T.alloc_var(f32)
         total = T.alloc_var(f32)
+        suffix = T.alloc_var(f32)
+        shifted = T.alloc_var(f32)
+        te_sum = T.alloc_var(f32)
         chunk_decay = T.alloc_var(f32)  # e^{gamma_C}, read before the loads' arrays are released
         if True:
             start = cta.start_of(c)
@@ -288,40 +324,8 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
             T.fence_proxy_async()
             T.barrier_arrive(sh.prod_ready[0])
             stamp(cta, "products", c, "products")
-            # dOg = scale D r_q dO (rows past the end zero), in dU's buffer
             T.barrier_wait(sh.do_full[0], c % 2)
-            if c > 0:
-                T.barrier_wait(sh.du_free[0], (c - 1) % 2)
-            for t, d in T.Parallel(_C, V):
-                sh.du[t, d] = T.if_then_else(
-                    t < length, T.cast(times_rstd(cta.scale * sh.dec[t], rq(sh), t) * T.cast(sh.do[t, d], f32), op),
-                    T.cast(0, op))
-            T.fence_proxy_async()
-            T.barrier_arrive(sh.dog_ready[0])
-            stamp(cta, "products", c, "dog_handed")
-            # <S0, dS1> for dg's e^{gamma_C} term: each thread a row half, then a warp sum
             T.barrier_wait(sh.vs_full[0], c % 2)
-            T.barrier_wait(sh.ds_ready[0], c % 2)
-            if own:
-                for j in T.vectorized(8):
-                    dot_acc[j] = 0.0
-                for b in T.serial(V // 16):
-                    for j in T.vectorized(8):
-                        dot_acc[j] = dot_acc[j] + T.cast(sh.s0[lane, b * 8 + j], f32) * T.cast(sh.ds[lane, b * 8 + j], f32)
-                dot = dot_acc[0]
-                for j in T.unroll(1, 8):
-                    dot = dot + dot_acc[j]
-                for b in T.serial(V // 16):
-                    for j in T.vectorized(8):
-                        dot_acc[j] = T.cast(sh.s0[lane, V // 2 + b * 8 + j], f32) * \
-                            T.cast(sh.ds[lane, V // 2 + b * 8 + j], f32)
-                    for j in T.unroll(8):
-                        dot = dot + dot_acc[j]
-                dot = T.warp_reduce_sum(dot)
-                if lane % 32 == 0:
-                    sh.dot_part[lane // 32] = dot
-            T.barrier_arrive(sh.ds_free[0])
-            stamp(cta, "products", c, "dot")
             # dP = dO Delta^T; dPm = scale Gm . dP, r_k along columns (dq's K) and r_q along rows (dk's Q)
             T.barrier_wait(sh.delta_ready[0], c % 2)
             stamp(cta, "products", c, "delta_ready")
@@ -354,11 +358,7 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
                 for t, s in T.Parallel(_C, _C):
                     cc_s[t, s] = dab[t, s] * gm[t, s] * T.cast(sh.a[t, s], f32)
                 role_sync(sh, 0)
-                if lane < _C:
-                    column = 0.0
-                    for r in T.serial(_C):
-                        column = column + cc_s[r, lane]
-                    sh.dbeta[lane] = column
+                column_sum(cc_s, lane, sh.dbeta, 1.0)
                 role_sync(sh, 1)
                 # dA~ = Gm . dAb diag(beta), in Pm's buffer (the delta role's last read of Pm came before dDelta)
                 for t, s in T.Parallel(_C, _C):
@@ -371,11 +371,7 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
                 for t, s in T.Parallel(_C, _C):
                     cc_s[t, s] = dp[t, s]
                 role_sync(sh, 0)
-                if lane < _C:
-                    column = 0.0
-                    for r in T.serial(_C):
-                        column = column + cc_s[r, lane]
-                    sh.dgam_a[lane] = -column
+                column_sum(cc_s, lane, sh.dgam_a, -1.0)
                 role_sync(sh, 1)
             T.barrier_arrive(sh.dd_free[0])
             stamp(cta, "products", c, "colsums")
@@ -433,14 +429,24 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
                     sh.dgam_a[t] = T.if_then_else(t < length, sh.dgam_a[t] + sh.dgam_v[t], 0.0)
                     sh.dbeta[t] = sh.dbeta[t] + row_sum[t]
                 role_sync(sh, 0)
+                # suffix sums by shuffles in the role's first two warps (a row a thread), then warp 0 adds warp 1's
+                # total: a fixed order, deterministic
+                if lane < _C:
+                    suffix = sh.dgam_a[lane]
+                    for o in T.unroll(5):
+                        shifted = T.shfl_down(suffix, 1 << o)
+                        suffix = suffix + T.if_then_else(lane % 32 + (1 << o) < 32, shifted, 0.0)
+                    te_sum = T.warp_reduce_sum(sh.te[lane])
+                    if lane % 32 == 0:
+                        sh.suffix_part[lane // 32] = suffix
+                        sh.te_part[lane // 32] = te_sum
+                role_sync(sh, 1)
                 if lane < length:
-                    total = sh.dot_part[0] + sh.dot_part[1] + sh.dot_part[2] + sh.dot_part[3]
-                    total = total * chunk_decay
-                    for r in T.serial(_C):
-                        total = total + sh.te[r] + T.if_then_else(r >= lane, sh.dgam_a[r], 0.0)
+                    total = (sh.dot_part[0] + sh.dot_part[1] + sh.dot_part[2] + sh.dot_part[3]) * chunk_decay
+                    total = total + sh.te_part[0] + sh.te_part[1] + suffix
+                    total = total + T.if_then_else(lane < 32, sh.suffix_part[1], 0.0)
                     dg[start + lane, cta.head] = total
                     dbeta[start + lane, cta.head] = sh.dbeta[lane]
-                role_sync(sh, 1)
             T.barrier_arrive(sh.vg_free[0])
             stamp(cta, "products", c, "epilogue")
 
@@ -586,7 +592,9 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
                 dgam_v=T.alloc_shared((_C,), f32),
                 te=T.alloc_shared((_C,), f32),
                 dbeta=T.alloc_shared((_C,), f32),
-                dot_part=T.alloc_shared((4,), f32),
+                dot_part=T.alloc_shared((4,), f32),   # per warp of the delta role
+                suffix_part=T.alloc_shared((2,), f32),
+                te_part=T.alloc_shared((2,), f32),
                 qk_full=T.alloc_barrier(arrive_count=[32]),
                 qk_free=T.alloc_barrier(arrive_count=[3 * WARPGROUP]),
                 a_full=T.alloc_barrier(arrive_count=[32]),
@@ -594,12 +602,11 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
                 vs_full=T.alloc_barrier(arrive_count=[32]),
                 vs_free=T.alloc_barrier(arrive_count=[2 * WARPGROUP]),
                 do_full=T.alloc_barrier(arrive_count=[32]),
-                do_free=T.alloc_barrier(arrive_count=[2 * WARPGROUP]),
+                do_free=T.alloc_barrier(arrive_count=[3 * WARPGROUP]),
                 ds_ready=T.alloc_barrier(arrive_count=[WARPGROUP]),
-                ds_free=T.alloc_barrier(arrive_count=[2 * WARPGROUP]),
+                ds_free=T.alloc_barrier(arrive_count=[WARPGROUP]),
                 prod_ready=T.alloc_barrier(arrive_count=[WARPGROUP]),
                 prod_free=T.alloc_barrier(arrive_count=[WARPGROUP]),
-                dog_ready=T.alloc_barrier(arrive_count=[WARPGROUP]),
                 dog_free=T.alloc_barrier(arrive_count=[WARPGROUP]),
                 du_ready=T.alloc_barrier(arrive_count=[WARPGROUP]),
                 du_free=T.alloc_barrier(arrive_count=[2 * WARPGROUP]),

@@ -41,8 +41,8 @@ SPILL_CEILINGS = {
     "backward_chunk_grads_l2norm": 48,
     # the fused reverse walk (candidate): its products role at 152 registers (the state role needs 160, the delta
     # role 168, the loads 32)
-    "backward_fused": 704,
-    "backward_fused_normalizing_qk": 1232,
+    "backward_fused": 260,
+    "backward_fused_normalizing_qk": 612,
 }
 
 
