@@ -538,34 +538,41 @@ def compare_forward_walk(rep_ms: int):
         yield f"{name} (V block {plan.value_block})", times
 
 
+def kept_backward_on(heads: tuple[int, int], seq_lens: list[int], like_the_model: bool):
+    """backward.backward on the bench's inputs from the forward's kept tensors (needs CUDA), with random dO (and
+    dht where the inputs have a final state): returns run(fused_reverse, timeline=None), the gradients of one call."""
+    from flashqla.hopper.backward import backward
+    from flashqla.hopper.forward import forward
+
+    x = make_inputs(heads, seq_lens, like_the_model=like_the_model)
+    host = x["cu_seqlens_cpu"].tolist()
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], 128 ** -0.5, x["initial_state"])
+    o, _, kept, *rstds = forward(*args, x["output_final_state"], x["cu_seqlens"], cu_seqlens_host=host,
+                                 keep_for_backward=True, normalize_qk=like_the_model)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    do = torch.randn(o.shape, generator=gen, device="cuda").to(o.dtype)
+    dht = None if like_the_model else torch.randn(x["initial_state"].shape, generator=gen, device="cuda")
+    norm = dict(zip(("q_rstd", "k_rstd"), rstds[0])) if like_the_model else {}
+
+    def run(fused_reverse: bool, timeline: torch.Tensor | None = None):
+        return backward(*args, x["cu_seqlens"], do, dht, cu_seqlens_host=host, kept=kept,
+                        fused_reverse=fused_reverse, timeline=timeline, **norm)
+
+    return run
+
+
 def compare_backward_fused(rep_ms: int):
     """The backward from the forward's kept tensors: the state-gradient walk and the chunk gradients (two kernels)
     against the one reverse walk (backward_fused.py), with the L2 norm as the model calls the op ("model") and on
     the anchors' normalised inputs with h0 ("plain"). Raises where a fused gradient is more than 1e-2 (relative
     L2) from the two kernels'."""
-    from flashqla.hopper.backward import backward
-    from flashqla.hopper.forward import forward
     from flashqla.testing import relative_error
 
     shapes = INVERSE_SHAPES + [("16/32 1x65536", (16, 32), [65536]), ("16/16 ragged", (16, 16), [1000, 0, 64, 2047, 1,
                                                                                                     129, 640] * 8)]
     for name, heads, seq_lens in shapes:
         for mode in ("model", "plain"):
-            x = make_inputs(heads, seq_lens, like_the_model=mode == "model")
-            normalize = mode == "model"
-            host = x["cu_seqlens_cpu"].tolist()
-            args = (x["q"], x["k"], x["v"], x["g"], x["beta"], 128 ** -0.5, x["initial_state"])
-            o, _, kept, *rstds = forward(*args, x["output_final_state"], x["cu_seqlens"], cu_seqlens_host=host,
-                                         keep_for_backward=True, normalize_qk=normalize)
-            gen = torch.Generator(device="cuda").manual_seed(1)
-            do = torch.randn(o.shape, generator=gen, device="cuda").to(o.dtype)
-            dht = None if normalize else torch.randn(x["initial_state"].shape, generator=gen, device="cuda")
-            norm = dict(zip(("q_rstd", "k_rstd"), rstds[0])) if normalize else {}
-
-            def run(fused_reverse):
-                return backward(*args, x["cu_seqlens"], do, dht, cu_seqlens_host=host, kept=kept,
-                                fused_reverse=fused_reverse, **norm)
-
+            run = kept_backward_on(heads, seq_lens, like_the_model=mode == "model")
             for label, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), run(False), run(True)):
                 error = float(relative_error(b, a))
                 if not error <= 1e-2:  # also catches NaN
@@ -573,7 +580,7 @@ def compare_backward_fused(rep_ms: int):
                                          "two kernels'")
             yield f"{name} {mode}", {"two kernels": _median_ms(lambda: run(False), rep_ms),
                                      "fused": _median_ms(lambda: run(True), rep_ms)}
-            del kept
+            del run
             torch.cuda.empty_cache()
 
 

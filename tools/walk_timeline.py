@@ -13,6 +13,7 @@ to the next's). A segment that ends at a barrier wait ("tiles", "state_ready", .
 waiting on another; the others are its own work. docs/kernel-notes.md says what it found.
 """
 import argparse
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -109,32 +110,21 @@ def backward_timeline(args) -> None:
     the state role's (one chunk of the state gradient's chain)."""
     import torch
 
-    from flashqla.bench import make_inputs
-    from flashqla.hopper.backward import backward
+    from flashqla.bench import kept_backward_on
     from flashqla.hopper.backward_fused import TIMELINE_EVENTS, timeline_shape
     from flashqla.hopper.chunk_plan import device_sm_count, plan_pieces
-    from flashqla.hopper.forward import forward
 
     heads = tuple(int(h) for h in args.heads.split("/"))
-    x = make_inputs(heads, [int(n) for n in args.lengths.split(",")], like_the_model=args.model)
-    host = x["cu_seqlens_cpu"].tolist()
-    inputs = (x["q"], x["k"], x["v"], x["g"], x["beta"], 128 ** -0.5, x["initial_state"])
-    o, _, kept, *rstds = forward(*inputs, x["output_final_state"], x["cu_seqlens"], cu_seqlens_host=host,
-                                 keep_for_backward=True, normalize_qk=args.model)
-    do = torch.randn_like(o)
-    dht = None if args.model else torch.randn_like(x["initial_state"])
-    norm = dict(zip(("q_rstd", "k_rstd"), rstds[0])) if args.model else {}
-    pieces = plan_pieces(x["cu_seqlens"], heads[1], 1, device_sm_count(o.device))
-    stamps = torch.zeros(timeline_shape(pieces.shape[0], heads[1]), dtype=torch.int64, device=o.device)
+    seq_lens = [int(n) for n in args.lengths.split(",")]
+    run = kept_backward_on(heads, seq_lens, like_the_model=args.model)
+    bounds = [0, *itertools.accumulate(seq_lens)]
+    pieces = plan_pieces(torch.tensor(bounds, device="cuda"), heads[1], 1, device_sm_count("cuda"), host_bounds=bounds)
+    stamps = torch.zeros(timeline_shape(pieces.shape[0], heads[1]), dtype=torch.int64, device="cuda")
 
-    def run(timeline=None):
-        return backward(*inputs, x["cu_seqlens"], do, dht, cu_seqlens_host=host, kept=kept, fused_reverse=True,
-                        timeline=timeline, **norm)
-
-    plain = run()
-    run(stamps)  # compiles the recording kernel
+    plain = run(True)
+    run(True, stamps)  # compiles the recording kernel
     stamps.zero_()
-    recorded = run(stamps)
+    recorded = run(True, stamps)
     torch.cuda.synchronize()
     if not all(torch.equal(a, b) for a, b in zip(plain, recorded)):
         raise AssertionError("the recording walk's gradients differ from the walk's")

@@ -113,7 +113,7 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seq
         dht = torch.zeros(num_sequences, num_v_heads, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=device)
     dht = dht.to(torch.float32).contiguous()
     if fused_reverse:
-        pieces = plan_pieces(cu_seqlens, num_v_heads, 1, sm_count)
+        pieces = plan_pieces(cu_seqlens, num_v_heads, 1, sm_count, host_bounds=cu_seqlens_host)
         walk_end = walk_bounds(gamma, pieces, cu_seqlens, ahead=True, log_decay_threshold=log_decay_threshold)
         dq_head, dk_head, dv, dg, dbeta, dh0 = fused_backward_grads(
             q_flat, k_flat, v_flat, gamma, beta_flat, inverse, states, do_flat, dht, scale, cu_seqlens, offsets,

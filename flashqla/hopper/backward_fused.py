@@ -326,7 +326,7 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
             stamp(cta, "products", c, "products")
             T.barrier_wait(sh.do_full[0], c % 2)
             T.barrier_wait(sh.vs_full[0], c % 2)
-            # dP = dO Delta^T; dPm = scale Gm . dP, r_k along columns (dq's K) and r_q along rows (dk's Q)
+            # dP = dO Delta^T, then Z for dq and dk
             T.barrier_wait(sh.delta_ready[0], c % 2)
             stamp(cta, "products", c, "delta_ready")
             if own:

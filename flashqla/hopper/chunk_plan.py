@@ -139,15 +139,17 @@ def _piece_rows(bounds: list[int], chunks: list[int], ctas_per_piece: int, sm_co
 
 
 def plan_pieces(cu_seqlens: torch.Tensor, num_heads: int, value_blocks: int, sm_count: int = DEFAULT_SM_COUNT,
-                min_piece_chunks: int = 16, chunk_size: int = CHUNK_SIZE) -> torch.Tensor:
+                min_piece_chunks: int = 16, chunk_size: int = CHUNK_SIZE,
+                host_bounds: list[int] | None = None) -> torch.Tensor:
     """int32 [P, 4] rows (sequence, first token, end token, ends_sequence) on cu_seqlens' device.
+    host_bounds: cu_seqlens as a list when the caller holds it (no device->host read).
 
     Intra-card context parallelism: long sequences are cut at chunk boundaries into pieces when a
     simulated walk says the cut ends sooner (_piece_rows); pieces are cut from a length of at least
     `min_piece_chunks`, shared evenly, so a piece can be a little shorter. Every sequence, empty
     ones too, ends in exactly one piece.
     """
-    bounds = cu_seqlens.tolist()
+    bounds = cu_seqlens.tolist() if host_bounds is None else host_bounds
     chunks = [(bounds[i + 1] - bounds[i] + chunk_size - 1) // chunk_size for i in range(len(bounds) - 1)]
     rows = _piece_rows(bounds, chunks, num_heads * value_blocks, sm_count, min_piece_chunks, chunk_size)
     return torch.tensor(rows, dtype=torch.int32).to(cu_seqlens.device)
