@@ -5,13 +5,15 @@ walks, so dS never goes through HBM and q, k, dO are read once.
 One CTA per (piece, value head), all 128 V columns, 512 threads in four roles that meet on mbarriers:
 
 - state (warpgroup 0): dS (K x V, float32, in registers). A chunk: hands dS1 over as bf16, makes
-  dOg = scale D r_q dO, then dS0 = e^{gamma_C} dS1 + Q^T dOg + K^T dU (dU = -D r_k dW);
+  dOg = scale D r_q dO, then dS0 = e^{gamma_C} dS1 + Q^T dOg + K^T dU (dU = -D r_k dW); while the next
+  chunk's q, k load (it would wait for them anyway) the chunk's dg and dbeta: the column sums of two float32
+  tiles from the products role and dg's suffix sums;
 - delta (warpgroup 1), the state's partner on the chain: U = K S0, W = V - D U (in v's buffer),
   Delta = Ab W; Pm^T dO before dS1 arrives, then dDelta = E K dS1 + Pm^T dO, dW = Ab^T dDelta (= dv),
   dU; off the chain dk = E Delta dS1^T + dU S0^T + dPm^T Q + (X + X^T) K, dgamma's D and E terms and <S0, dS1>;
 - products (warpgroup 2): Pm and Ab from Q K^T, A~ and one Gm for the others; the C x C half of
-  the gradients (dP, dAb, dbeta, dA~, T1, dL, dPm, X), dq = scale D dO S0^T + dPm K, and dg, dbeta;
-  the column sums of C x C products go through a float32 scratch in dDelta's bytes;
+  the gradients (dP, dAb, dA~, T1, dL, dPm, X), dq = scale D dO S0^T + dPm K, the row sums of dg and dbeta,
+  and the C x C tiles whose column sums they need, in float32 in the bytes of dDelta and W (both read by then);
 - loads (warpgroup 3): one warp each for q/k with gamma, beta, the decays and r; A~; v and S0; dO.
 
 Chunks are walked in lock-step: every shared buffer is single (227 KB hold one chunk's worth), each
@@ -49,11 +51,12 @@ _REGISTERS = (160, 168, 152, 32)
 # record_timeline: the points of a chunk at which each role's first thread reads the SM's clock, in loop order,
 # for the first TIMELINE_CHUNKS chunks of every CTA (tools/walk_timeline.py --backward summarises them)
 TIMELINE_EVENTS = {
-    "state": ("top", "ds_free", "ds_handed", "tiles", "dog_made", "q_dog", "du_ready", "k_du"),
+    "state": ("top", "ds_free", "ds_handed", "cc_ready", "colsums", "rows_ready", "epilogue", "tiles", "dog_made",
+              "q_dog", "du_ready", "k_du"),
     "delta": ("top", "tiles", "delta", "delta_handed", "pm_do", "ds_ready", "dd_handed", "dw", "du_handed", "dk_state",
-              "vg_handed", "dpm_ready", "zq", "x_ready", "dk_stored"),
+              "vg_handed", "dpm_ready", "zq", "x_ready", "qk_released", "dk_stored"),
     "products": ("top", "tiles", "products", "delta_ready", "dp", "z_handed", "dd_ready", "dab",
-                 "dd_read", "colsums", "dq", "t1_dl", "dpm_read", "y_handed", "vg_ready", "epilogue"),
+                 "dd_read", "cc_handed", "dq", "t1_dl", "dpm_read", "y_handed"),
     "loads": ("qk_free", "issued"),
 }
 TIMELINE_CHUNKS = 64
@@ -89,8 +92,72 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
         return sh.k_rstd if normalize_qk else None
 
     @T.macro
-    def state_role(sh, cta, dht, dh0):
+    def state_sync(sh, parity):
+        """A barrier among the state role's 128 threads (an mbarrier: no block-wide barrier may run while the
+        other roles walk); parity: how many it has completed before, mod 2."""
+        T.barrier_arrive(sh.state_sync[0])
+        T.barrier_wait(sh.state_sync[0], parity)
+
+    @T.macro
+    def chunk_epilogue(sh, cta, c, own, lane, chunk_decay, dg, dbeta):
+        """dg and dbeta of chunk c, by the state role while it waits for the next chunk's q, k (off the products
+        role's path): the column sums of the products role's two float32 tiles (a column a thread: threads 0-63 the
+        dgamma tile, 64-127 the dbeta tile), then dg_t = e^{gamma_C} <S0, dS1> + sum te + sum_{j >= t} dgamma_j.
+        own: a run-time bool (no fragment is live here). Two state_sync a call, so their parities are fixed."""
+        col = T.alloc_var(f32)
+        suffix = T.alloc_var(f32)
+        shifted = T.alloc_var(f32)
+        te_sum = T.alloc_var(f32)
+        total = T.alloc_var(f32)
+        start = cta.start_of(c)
+        length = T.min(cta.eos - start, _C)
+        T.barrier_wait(sh.cc_ready[0], c % 2)
+        stamp(cta, "state", c + 1, "cc_ready")
+        if own:
+            col = 0.0
+            if lane < _C:
+                for r in T.unroll(_C):
+                    col = col + sh.cc_gam[r, lane]
+            else:
+                for r in T.unroll(_C):
+                    col = col + sh.cc_beta[r, lane - _C]
+        T.barrier_arrive(sh.dd_free[0])
+        T.barrier_arrive(sh.vs_free[0])
+        stamp(cta, "state", c + 1, "colsums")
+        T.barrier_wait(sh.rows_ready[0], c % 2)
+        T.barrier_wait(sh.vg_ready[0], c % 2)
+        stamp(cta, "state", c + 1, "rows_ready")
+        if own:
+            # suffix sums by shuffles in the first two warps (a row a thread), warp 0 then adds warp 1's total: a
+            # fixed order, deterministic
+            if lane < _C:
+                suffix = T.if_then_else(lane < length, sh.dgam_rows[lane] + sh.dgam_v[lane] - col, 0.0)
+                for o in T.unroll(5):
+                    shifted = T.shfl_down(suffix, 1 << o)
+                    suffix = suffix + T.if_then_else(lane % 32 + (1 << o) < 32, shifted, 0.0)
+                te_sum = T.warp_reduce_sum(sh.te[lane])
+                if lane % 32 == 0:
+                    sh.suffix_part[lane // 32] = suffix
+                    sh.te_part[lane // 32] = te_sum
+            elif lane - _C < length:
+                dbeta[start + lane - _C, cta.head] = col + sh.dbeta_rows[lane - _C]
+            state_sync(sh, 0)
+            if lane < length:
+                total = (sh.dot_part[0] + sh.dot_part[1] + sh.dot_part[2] + sh.dot_part[3]) * chunk_decay
+                total = total + sh.te_part[0] + sh.te_part[1] + suffix
+                total = total + T.if_then_else(lane < 32, sh.suffix_part[1], 0.0)
+                dg[start + lane, cta.head] = total
+            state_sync(sh, 1)
+        T.barrier_arrive(sh.vg_free[0])
+        T.barrier_arrive(sh.rows_free[0])
+        stamp(cta, "state", c + 1, "epilogue")
+
+    @T.macro
+    def state_role(sh, cta, dht, dh0, dg, dbeta):
         T.set_max_nreg(_REGISTERS[0], 1)
+        lane = T.get_thread_binding()
+        chunk_decay = T.alloc_var(f32)  # e^{gamma_C} of the chunk, kept for its epilogue (the loads refill dec)
+        chunk_decay = 1.0
         ds = T.alloc_fragment((K, V), f32)
         if cta.walk_last == cta.eos:
             T.copy(dht[cta.seq, cta.head, 0:K, 0:V], ds)
@@ -105,10 +172,13 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
             T.fence_proxy_async()
             T.barrier_arrive(sh.ds_ready[0])
             stamp(cta, "state", c, "ds_handed")
+            if c > 0:  # the chunk before's dg and dbeta, while this chunk's q, k load
+                chunk_epilogue(sh, cta, c - 1, c - 1 >= cta.n_warm, lane, chunk_decay, dg, dbeta)
             T.barrier_wait(sh.qk_full[0], c % 2)
             stamp(cta, "state", c, "tiles")
+            chunk_decay = sh.dec[_C - 1]
             for i, j in T.Parallel(K, V):
-                ds[i, j] = ds[i, j] * sh.dec[_C - 1]
+                ds[i, j] = ds[i, j] * chunk_decay
             # dOg = scale D r_q dO (rows past the end zero), in dU's buffer once dU of the chunk before is read
             T.barrier_wait(sh.do_full[0], c % 2)
             if c > 0:
@@ -129,11 +199,13 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
             stamp(cta, "state", c, "k_du")
             T.barrier_arrive(sh.du_free[0])
             T.barrier_arrive(sh.qk_free[0])
+        if cta.n_chunks > cta.n_warm:  # the last chunk is the piece's
+            chunk_epilogue(sh, cta, cta.n_chunks - 1, True, lane, chunk_decay, dg, dbeta)
         if cta.walk_first == cta.bos:
             T.copy(ds, dh0[cta.seq, cta.head, 0:K, 0:V])
 
     @T.macro
-    def delta_chunk(sh, cta, c, own, dv, dk_head, acc, pm_do, dk, rows, row_sum, te):
+    def delta_chunk(sh, cta, c, own, dv, dk_head, acc, pm_do, dk, rows, row_sum, te, rk_rows):
         """Chunk c of the delta role; own (a Python bool): a chunk of the piece, else a warm-up chunk (the
         chain only). Two loops instead of a run-time branch: ptxas then sees no fragment live across chunks."""
         lane = T.get_thread_binding() - WARPGROUP
@@ -245,16 +317,21 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
             T.barrier_wait(sh.x_ready[0], c % 2)
             stamp(cta, "delta", c, "x_ready")
             if own:
+                if normalize_qk:  # r_k kept past the release of the chunk's q, k below
+                    for t in T.Parallel(_C):
+                        rk_rows[t] = sh.k_rstd[t]
                 T.gemm(sh.cols, sh.k, dk)
                 T.gemm(sh.cols, sh.k, dk, transpose_A=True)
+            T.barrier_arrive(sh.x_free[0])
+            T.barrier_arrive(sh.qk_free[0])
+            stamp(cta, "delta", c, "qk_released")
+            if own:
                 if normalize_qk:
                     for t, d in T.Parallel(_C, K):
-                        dk[t, d] = dk[t, d] / sh.k_rstd[t]
+                        dk[t, d] = dk[t, d] / rk_rows[t]
                 for t, d in T.Parallel(_C, K):
                     if t < length:
                         dk_head[start + t, cta.head, d] = T.cast(dk[t, d], op)
-            T.barrier_arrive(sh.x_free[0])
-            T.barrier_arrive(sh.qk_free[0])
             stamp(cta, "delta", c, "dk_stored")
 
     @T.macro
@@ -266,41 +343,17 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
         rows = T.alloc_fragment((_C, K), f32)
         row_sum = T.alloc_fragment((_C,), f32)
         te = T.alloc_fragment((_C,), f32)
+        rk_rows = T.alloc_fragment((_C,), f32) if normalize_qk else None
+        args = (dv, dk_head, acc, pm_do, dk, rows, row_sum, te, rk_rows)
         for c in T.serial(cta.n_warm):
-            delta_chunk(sh, cta, c, False, dv, dk_head, acc, pm_do, dk, rows, row_sum, te)
+            delta_chunk(sh, cta, c, False, *args)
         for c in T.serial(cta.n_chunks - cta.n_warm):
-            delta_chunk(sh, cta, cta.n_warm + c, True, dv, dk_head, acc, pm_do, dk, rows, row_sum, te)
+            delta_chunk(sh, cta, cta.n_warm + c, True, *args)
 
     @T.macro
-    def column_sum(cc_s, lane, out, sign):
-        """out[s] = sign * the sum of column s of the float32 tile cc_s, by the products role's 128 threads: two a
-        column, each over half its rows (unrolled, so the loads go out back to back), then one shuffle."""
-        partial = T.alloc_var(f32)
-        partial = 0.0
-        for r in T.unroll(_C // 2):
-            partial = partial + cc_s[(lane % 2) * (_C // 2) + r, lane // 2]
-        partial = partial + T.shfl_down(partial, 1)
-        if lane % 2 == 0:
-            out[lane // 2] = sign * partial
-
-    @T.macro
-    def role_sync(sh, parity):
-        """A barrier among the products role's 128 threads (an mbarrier: no block-wide barrier may run
-        while the other roles walk); parity: how many it has completed before, mod 2."""
-        T.barrier_arrive(sh.role_sync[0])
-        T.barrier_wait(sh.role_sync[0], parity)
-
-    @T.macro
-    def products_chunk(sh, cta, c, own, dq_head, dg, dbeta, lane, pmf, gm, dp, dab, dq, rows, row_sum, row_sum_cc,
-                       cc_s):
-        """Chunk c of the products role; own as in delta_chunk. Its role barriers come six a chunk (an even
-        number), so the k-th of a chunk completes phase k mod 2."""
-        # scalars assigned here are allocated here: a macro's assignment to an argument would rebind the name
-        total = T.alloc_var(f32)
-        suffix = T.alloc_var(f32)
-        shifted = T.alloc_var(f32)
-        te_sum = T.alloc_var(f32)
-        chunk_decay = T.alloc_var(f32)  # e^{gamma_C}, read before the loads' arrays are released
+    def products_chunk(sh, cta, c, own, dq_head, pmf, gm, dp, dab, dq, rows, row_sum, row_sum_cc):
+        """Chunk c of the products role; own as in delta_chunk. The column sums and dg's suffix sums are the state
+        role's (chunk_epilogue): this role hands over two float32 tiles and two row-sum arrays."""
         if True:
             start = cta.start_of(c)
             length = T.min(cta.eos - start, _C)
@@ -308,7 +361,6 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
             T.barrier_wait(sh.qk_full[0], c % 2)
             T.barrier_wait(sh.a_full[0], c % 2)
             stamp(cta, "products", c, "tiles")
-            chunk_decay = sh.dec[_C - 1]
             # Pm = scale Gm . Q^ K^^T and Ab = (Gm . A~) diag(beta), for the chain
             T.gemm(sh.q, sh.k, pmf, transpose_B=True, clear_accum=True)
             for t, s in T.Parallel(_C, _C):
@@ -345,7 +397,7 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
             if own:  # dP's part of dGm . Gm (the rest below): pmf is read for the last time
                 for t, s in T.Parallel(_C, _C):
                     dp[t, s] = dp[t, s] * pmf[t, s]
-            # dAb = dDelta W^T
+            # dAb = dDelta W^T: this role's last read of W, whose bytes then hold the dgamma tile
             T.barrier_wait(sh.dd_ready[0], c % 2)
             stamp(cta, "products", c, "dd_ready")
             if own:
@@ -354,32 +406,30 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
             T.barrier_wait(sh.dd_read[0], c % 2)
             stamp(cta, "products", c, "dd_read")
             if own:
-                # dbeta: column sums of dAb . Ag (Ag = Gm . A~)
+                # dbeta's tile dAb . Ag (Ag = Gm . A~), in dDelta's bytes
                 for t, s in T.Parallel(_C, _C):
-                    cc_s[t, s] = dab[t, s] * gm[t, s] * T.cast(sh.a[t, s], f32)
-                role_sync(sh, 0)
-                column_sum(cc_s, lane, sh.dbeta, 1.0)
-                role_sync(sh, 1)
+                    sh.cc_beta[t, s] = dab[t, s] * gm[t, s] * T.cast(sh.a[t, s], f32)
                 # dA~ = Gm . dAb diag(beta), in Pm's buffer (the delta role's last read of Pm came before dDelta)
                 for t, s in T.Parallel(_C, _C):
                     sh.pm[t, s] = T.cast(dab[t, s] * sh.beta[s] * gm[t, s], op)
                 T.fence_proxy_async()
                 # dGm . Gm = dAg . Ag + scale dP . Gm . Q^K^T: dgamma gains its row sums and loses its column sums
+                # (dgamma's tile, in W's bytes)
                 for t, s in T.Parallel(_C, _C):
                     dp[t, s] = dp[t, s] + dab[t, s] * sh.beta[s] * gm[t, s] * T.cast(sh.a[t, s], f32)
                 T.reduce_sum(dp, row_sum_cc, dim=1, clear=True)
                 for t, s in T.Parallel(_C, _C):
-                    cc_s[t, s] = dp[t, s]
-                role_sync(sh, 0)
-                column_sum(cc_s, lane, sh.dgam_a, -1.0)
-                role_sync(sh, 1)
-            T.barrier_arrive(sh.dd_free[0])
-            stamp(cta, "products", c, "colsums")
+                    sh.cc_gam[t, s] = dp[t, s]
+                T.fence_proxy_async()  # the next chunk's v lands in W's bytes by TMA
+            T.barrier_arrive(sh.cc_ready[0])
+            stamp(cta, "products", c, "cc_handed")
             if own:
                 # dq = scale D dO S0^T + dPm K^; dgamma gains rowsum(dq's first term . Q^)
                 T.gemm(sh.do, sh.s0, dq, transpose_B=True, clear_accum=True)
             T.barrier_arrive(sh.do_free[0])
             T.barrier_arrive(sh.vs_free[0])
+            if c > 0:
+                T.barrier_wait(sh.rows_free[0], (c - 1) % 2)
             if own:
                 # as r_q dq: r_q scale D dO S0^T + Z K (module docstring)
                 for t, d in T.Parallel(_C, K):
@@ -388,7 +438,7 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
                     rows[t, d] = dq[t, d] * T.cast(sh.q[t, d], f32)
                 T.reduce_sum(rows, row_sum, dim=1, clear=True)
                 for t in T.Parallel(_C):
-                    sh.dgam_a[t] = sh.dgam_a[t] + row_sum_cc[t] + row_sum[t]
+                    sh.dgam_rows[t] = row_sum_cc[t] + row_sum[t]
                 T.gemm(sh.cols, sh.k, dq)
                 if normalize_qk:
                     for t, d in T.Parallel(_C, K):
@@ -409,6 +459,8 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
                 for t, s in T.Parallel(_C, _C):
                     dp[t, s] = times_rstd(times_rstd(dab[t, s] * dp[t, s], rk(sh), t), rk(sh), s)
                 T.reduce_sum(dp, row_sum, dim=1, clear=True)
+                for t in T.Parallel(_C):
+                    sh.dbeta_rows[t] = row_sum[t]
             T.barrier_arrive(sh.a_free[0])
             stamp(cta, "products", c, "t1_dl")
             # Y = diag(r_k) X diag(r_k), X = diag(beta) dL, into Z's tile once the delta role has read it
@@ -420,40 +472,12 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
                 T.fence_proxy_async()
             T.barrier_arrive(sh.x_ready[0])
             T.barrier_arrive(sh.qk_free[0])
+            T.barrier_arrive(sh.rows_ready[0])
             stamp(cta, "products", c, "y_handed")
-            # dg_t = e^{gamma_C} <S0, dS1> + sum te + sum_{j >= t} dgamma_j over the chunk's rows
-            T.barrier_wait(sh.vg_ready[0], c % 2)
-            stamp(cta, "products", c, "vg_ready")
-            if own:
-                for t in T.Parallel(_C):
-                    sh.dgam_a[t] = T.if_then_else(t < length, sh.dgam_a[t] + sh.dgam_v[t], 0.0)
-                    sh.dbeta[t] = sh.dbeta[t] + row_sum[t]
-                role_sync(sh, 0)
-                # suffix sums by shuffles in the role's first two warps (a row a thread), then warp 0 adds warp 1's
-                # total: a fixed order, deterministic
-                if lane < _C:
-                    suffix = sh.dgam_a[lane]
-                    for o in T.unroll(5):
-                        shifted = T.shfl_down(suffix, 1 << o)
-                        suffix = suffix + T.if_then_else(lane % 32 + (1 << o) < 32, shifted, 0.0)
-                    te_sum = T.warp_reduce_sum(sh.te[lane])
-                    if lane % 32 == 0:
-                        sh.suffix_part[lane // 32] = suffix
-                        sh.te_part[lane // 32] = te_sum
-                role_sync(sh, 1)
-                if lane < length:
-                    total = (sh.dot_part[0] + sh.dot_part[1] + sh.dot_part[2] + sh.dot_part[3]) * chunk_decay
-                    total = total + sh.te_part[0] + sh.te_part[1] + suffix
-                    total = total + T.if_then_else(lane < 32, sh.suffix_part[1], 0.0)
-                    dg[start + lane, cta.head] = total
-                    dbeta[start + lane, cta.head] = sh.dbeta[lane]
-            T.barrier_arrive(sh.vg_free[0])
-            stamp(cta, "products", c, "epilogue")
 
     @T.macro
-    def products_role(sh, cta, dq_head, dg, dbeta):
+    def products_role(sh, cta, dq_head):
         T.set_max_nreg(_REGISTERS[2], 1)
-        lane = T.get_thread_binding() - 2 * WARPGROUP
         pmf = T.alloc_fragment((_C, _C), f32)   # scale Gm . Q^K^T, in float32
         gm = T.alloc_fragment((_C, _C), f32)
         dp = T.alloc_fragment((_C, _C), f32)
@@ -462,8 +486,7 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
         rows = T.alloc_fragment((_C, K), f32)
         row_sum = T.alloc_fragment((_C,), f32)
         row_sum_cc = T.alloc_fragment((_C,), f32)
-        cc_s = T.view(sh.dd, (_C, _C), f32)   # float32 scratch for column sums, in dDelta's bytes
-        args = (dq_head, dg, dbeta, lane, pmf, gm, dp, dab, dq, rows, row_sum, row_sum_cc, cc_s)
+        args = (dq_head, pmf, gm, dp, dab, dq, rows, row_sum, row_sum_cc)
         for c in T.serial(cta.n_warm):
             products_chunk(sh, cta, c, False, *args)
         for c in T.serial(cta.n_chunks - cta.n_warm):
@@ -475,26 +498,38 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
         if normalize_qk:  # held in a variable: inlined into the r loads' indices it is a 64-bit division
             qk_head = T.alloc_var("int32")
             qk_head = cta.qk_head
+        gam = T.alloc_local((2,), f32)
+        bet = T.alloc_local((2,), f32)
+        rq_t = T.alloc_local((2,), f32)
+        rk_t = T.alloc_local((2,), f32)
+        gam_last = T.alloc_var(f32)
         for c in T.serial(cta.n_chunks):
             start = cta.start_of(c)
             last = T.min(cta.eos - start, _C) - 1
+            # the scalars are read before the wait, so their latency hides behind the chunk before;
+            # gamma clamped past the end (e^{gamma_C} is the decay over the real tokens); beta and E zero there
+            for h in T.unroll(2):
+                t = lane + 32 * h
+                gam[h] = gamma[start + T.min(t, last), cta.head]
+                bet[h] = T.if_then_else(t <= last, beta[start + T.min(t, last), cta.head], 0.0)
+                if normalize_qk:
+                    rq_t[h] = q_rstd[T.min(start + t, num_tokens - 1), qk_head]
+                    rk_t[h] = k_rstd[T.min(start + t, num_tokens - 1), qk_head]
+            gam_last = gamma[start + last, cta.head]
             if c > 0:
                 T.barrier_wait(sh.qk_free[0], (c - 1) % 2)
                 stamp(cta, "loads", c, "qk_free")
             T.tma_copy(q[start:start + _C, cta.qk_head, 0:K], sh.q, barrier=sh.qk_full[0])
             T.tma_copy(k[start:start + _C, cta.qk_head, 0:K], sh.k, barrier=sh.qk_full[0])
-            # gamma clamped past the end (e^{gamma_C} is the decay over the real tokens); beta and E zero there
-            for h in T.serial(2):
+            for h in T.unroll(2):
                 t = lane + 32 * h
-                sh.gam[t] = gamma[start + T.min(t, last), cta.head]
-                sh.beta[t] = T.if_then_else(t <= last, beta[start + T.min(t, last), cta.head], 0.0)
+                sh.gam[t] = gam[h]
+                sh.beta[t] = bet[h]
+                sh.dec[t] = T.exp(gam[h])
+                sh.rdec[t] = T.if_then_else(t <= last, T.exp(gam_last - gam[h]), 0.0)
                 if normalize_qk:
-                    sh.q_rstd[t] = q_rstd[T.min(start + t, num_tokens - 1), qk_head]
-                    sh.k_rstd[t] = k_rstd[T.min(start + t, num_tokens - 1), qk_head]
-            for h in T.serial(2):
-                t = lane + 32 * h
-                sh.dec[t] = T.exp(sh.gam[t])
-                sh.rdec[t] = T.if_then_else(t <= last, T.exp(gamma[start + last, cta.head] - sh.gam[t]), 0.0)
+                    sh.q_rstd[t] = rq_t[h]
+                    sh.k_rstd[t] = rk_t[h]
             T.barrier_arrive(sh.qk_full[0])
             stamp(cta, "loads", c, "issued")
 
@@ -568,10 +603,12 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
                 n_chunks=(top - walk_first) // _C, n_warm=(top - walk_first) // _C - (piece_end - walk_first + _C - 1) // _C,
                 first_chunk=chunk_offsets[seq], scale=scale, timeline=timeline, index=piece * num_v_heads + head,
                 start_of=lambda c: top - (c + 1) * _C)
+            w = T.alloc_shared((_C, V), op)
+            dd = T.alloc_shared((_C, V), op)
             sh = SimpleNamespace(
                 q=T.alloc_shared((_C, K), op),
                 k=T.alloc_shared((_C, K), op),
-                w=T.alloc_shared((_C, V), op),        # v by TMA, then W in place
+                w=w,                                  # v by TMA, then W in place
                 do=T.alloc_shared((_C, V), op),
                 a=T.alloc_shared((_C, _C), op),       # A~
                 s0=T.alloc_shared((K, V), op),
@@ -579,7 +616,11 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
                 pm=T.alloc_shared((_C, _C), op),      # Pm, then dA~, then T1
                 ab=T.alloc_shared((_C, _C), op),
                 delta=T.alloc_shared((_C, V), op),
-                dd=T.alloc_shared((_C, V), op),       # dDelta, then float32 scratch of the products role
+                dd=dd,                                # dDelta
+                # the products role's float32 tiles for the state role's column sums (chunk_epilogue), in bytes
+                # whose other uses in the chunk are over by then
+                cc_beta=T.view(dd, (_C, _C), f32),
+                cc_gam=T.view(w, (_C, _C), f32),
                 du=T.alloc_shared((_C, V), op),       # dOg, then dU
                 cols=T.alloc_shared((_C, _C), op),    # Z (dPm), then Y (X), scaled by r on both sides
                 gam=T.alloc_shared((_C,), f32),
@@ -588,10 +629,10 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
                 rdec=T.alloc_shared((_C,), f32),      # e^{gamma_C - gamma_t}, zero past the end
                 q_rstd=T.alloc_shared((_C,), f32) if normalize_qk else None,
                 k_rstd=T.alloc_shared((_C,), f32) if normalize_qk else None,
-                dgam_a=T.alloc_shared((_C,), f32),
+                dgam_rows=T.alloc_shared((_C,), f32),  # the products role's row sums for dgamma
                 dgam_v=T.alloc_shared((_C,), f32),
                 te=T.alloc_shared((_C,), f32),
-                dbeta=T.alloc_shared((_C,), f32),
+                dbeta_rows=T.alloc_shared((_C,), f32),
                 dot_part=T.alloc_shared((4,), f32),   # per warp of the delta role
                 suffix_part=T.alloc_shared((2,), f32),
                 te_part=T.alloc_shared((2,), f32),
@@ -600,7 +641,7 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
                 a_full=T.alloc_barrier(arrive_count=[32]),
                 a_free=T.alloc_barrier(arrive_count=[WARPGROUP]),
                 vs_full=T.alloc_barrier(arrive_count=[32]),
-                vs_free=T.alloc_barrier(arrive_count=[2 * WARPGROUP]),
+                vs_free=T.alloc_barrier(arrive_count=[3 * WARPGROUP]),
                 do_full=T.alloc_barrier(arrive_count=[32]),
                 do_free=T.alloc_barrier(arrive_count=[3 * WARPGROUP]),
                 ds_ready=T.alloc_barrier(arrive_count=[WARPGROUP]),
@@ -621,15 +662,18 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
                 x_free=T.alloc_barrier(arrive_count=[WARPGROUP]),
                 vg_ready=T.alloc_barrier(arrive_count=[WARPGROUP]),
                 vg_free=T.alloc_barrier(arrive_count=[WARPGROUP]),
-                role_sync=T.alloc_barrier(arrive_count=[WARPGROUP]),
+                cc_ready=T.alloc_barrier(arrive_count=[WARPGROUP]),
+                rows_ready=T.alloc_barrier(arrive_count=[WARPGROUP]),
+                rows_free=T.alloc_barrier(arrive_count=[WARPGROUP]),
+                state_sync=T.alloc_barrier(arrive_count=[WARPGROUP]),
             )
             tx = T.get_thread_binding()
             if tx < WARPGROUP:
-                state_role(sh, cta, dht, dh0)
+                state_role(sh, cta, dht, dh0, dg, dbeta)
             elif tx < 2 * WARPGROUP:
                 delta_role(sh, cta, dv, dk_head)
             elif tx < 3 * WARPGROUP:
-                products_role(sh, cta, dq_head, dg, dbeta)
+                products_role(sh, cta, dq_head)
             else:
                 T.set_max_nreg(_REGISTERS[3], 0)
                 if tx < 3 * WARPGROUP + 32:
