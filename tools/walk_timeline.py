@@ -88,18 +88,28 @@ def main(argv=None) -> None:
     def run(timeline=None):
         return walk(store, store, timeline=timeline, **options)
 
-    plain = run()
     stamps = torch.zeros(timeline_shape(plan.pieces.shape[0], heads[1], plan.value_block), dtype=torch.int64,
                          device=plan.pieces.device)
+    record_and_report(run, stamps, lambda plain, recorded: torch.equal(plain[0], recorded[0]), TIMELINE_EVENTS,
+                      f"{args.heads} x {args.lengths}, storing {args.keep}, V block {plan.value_block}, "
+                      f"{stamps.shape[0]} CTAs" + "".join(f", {name}" for name in args.option), args)
+
+
+def record_and_report(run, stamps, same_outputs, events, header: str, args) -> None:
+    """Runs the walk plainly and recording into stamps (a first recording run compiles its kernel), raises where
+    same_outputs(plain, recorded) says the recording changed the outputs, then prints (and with --json writes) the
+    summary of the stamps."""
+    import torch
+
+    plain = run()
     run(stamps)  # compiles the recording kernel
     stamps.zero_()
     recorded = run(stamps)
     torch.cuda.synchronize()
-    if not torch.equal(plain[0], recorded[0]):
-        raise AssertionError("the recording walk's o differs from the walk's")
-    summary = summarize(stamps.cpu().numpy(), TIMELINE_EVENTS, args.skip)
-    print(f"{args.heads} x {args.lengths}, storing {args.keep}, V block {plan.value_block}, "
-          f"{stamps.shape[0]} CTAs" + "".join(f", {name}" for name in args.option))
+    if not same_outputs(plain, recorded):
+        raise AssertionError("the recording walk's outputs differ from the walk's")
+    summary = summarize(stamps.cpu().numpy(), events, args.skip)
+    print(header)
     print("\n".join(format_summary(summary)))
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1))
@@ -120,19 +130,10 @@ def backward_timeline(args) -> None:
     bounds = [0, *itertools.accumulate(seq_lens)]
     pieces = plan_pieces(torch.tensor(bounds, device="cuda"), heads[1], 1, device_sm_count("cuda"), host_bounds=bounds)
     stamps = torch.zeros(timeline_shape(pieces.shape[0], heads[1]), dtype=torch.int64, device="cuda")
-
-    plain = run(True)
-    run(True, stamps)  # compiles the recording kernel
-    stamps.zero_()
-    recorded = run(True, stamps)
-    torch.cuda.synchronize()
-    if not all(torch.equal(a, b) for a, b in zip(plain, recorded)):
-        raise AssertionError("the recording walk's gradients differ from the walk's")
-    summary = summarize(stamps.cpu().numpy(), TIMELINE_EVENTS, args.skip)
-    print(f"backward {args.heads} x {args.lengths}{' (the model)' if args.model else ''}, {stamps.shape[0]} CTAs")
-    print("\n".join(format_summary(summary)))
-    if args.json:
-        Path(args.json).write_text(json.dumps(summary, indent=1))
+    record_and_report(lambda timeline=None: run(True, timeline), stamps,
+                      lambda plain, recorded: all(torch.equal(a, b) for a, b in zip(plain, recorded)), TIMELINE_EVENTS,
+                      f"backward {args.heads} x {args.lengths}{' (the model)' if args.model else ''}, "
+                      f"{stamps.shape[0]} CTAs", args)
 
 
 if __name__ == "__main__":
