@@ -54,9 +54,9 @@ TIMELINE_EVENTS = {
     "state": ("top", "ds_free", "ds_handed", "cc_ready", "colsums", "rows_ready", "epilogue", "tiles", "dog_made",
               "q_dog", "du_ready", "k_du"),
     "delta": ("top", "tiles", "delta", "delta_handed", "pm_do", "ds_ready", "dd_handed", "dw", "du_handed", "dk_state",
-              "vg_handed", "dpm_ready", "zq", "x_ready", "qk_released", "dk_stored"),
+              "vg_stored", "dpm_ready", "dq", "vg_handed", "zq", "x_ready", "qk_released", "dk_stored"),
     "products": ("top", "tiles", "products", "delta_ready", "dp", "z_handed", "dd_ready", "dab",
-                 "dd_read", "cc_handed", "dq", "t1_dl", "dpm_read", "y_handed"),
+                 "dd_read", "cc_handed", "t1_dl", "dpm_read", "y_handed"),
     "loads": ("qk_free", "issued"),
 }
 TIMELINE_CHUNKS = 64
@@ -205,7 +205,27 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
             T.copy(ds, dh0[cta.seq, cta.head, 0:K, 0:V])
 
     @T.macro
-    def delta_chunk(sh, cta, c, own, dv, dk_head, acc, pm_do, dk, rows, row_sum, te, rk_rows):
+    def dq_half(sh, cta, start, length, dq_head, dq, rows_half, dq_rows, first):
+        """Columns first .. first + K / 2 of r_q dq: dO through S0's matching rows, scaled, its row products with
+        q's half summed into dq_rows (dgamma's dq term; the half at 0 clears it), then Z K's half."""
+        half = K // 2
+        T.gemm(sh.do, sh.s0[first:first + half, 0:V], dq, transpose_B=True, clear_accum=True)
+        for t, d in T.Parallel(_C, half):
+            dq[t, d] = dq[t, d] * times_rstd(cta.scale * sh.dec[t], rq(sh), t)
+        for t, d in T.Parallel(_C, half):
+            rows_half[t, d] = dq[t, d] * T.cast(sh.q[t, first + d], f32)
+        T.reduce_sum(rows_half, dq_rows, dim=1, clear=first == 0)
+        T.gemm(sh.cols, sh.k[0:_C, first:first + half], dq)
+        if normalize_qk:
+            for t, d in T.Parallel(_C, half):
+                dq[t, d] = dq[t, d] / sh.q_rstd[t]
+        for t, d in T.Parallel(_C, half):
+            if t < length:
+                dq_head[start + t, cta.head, first + d] = T.cast(dq[t, d], op)
+
+    @T.macro
+    def delta_chunk(sh, cta, c, own, dv, dk_head, dq_head, acc, pm_do, dk, rows, row_sum, te, rk_rows, dq,
+                    rows_half, dq_rows):
         """Chunk c of the delta role; own (a Python bool): a chunk of the piece, else a warm-up chunk (the
         chain only). Two loops instead of a run-time branch: ptxas then sees no fragment live across chunks."""
         lane = T.get_thread_binding() - WARPGROUP
@@ -238,7 +258,6 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
             # dDelta = E K dS1 + Pm^T dO: the second term before dS1 arrives
             T.barrier_wait(sh.do_full[0], c % 2)
             T.gemm(sh.pm, sh.do, pm_do, transpose_A=True, clear_accum=True)
-            T.barrier_arrive(sh.do_free[0])
             stamp(cta, "delta", c, "pm_do")
             T.barrier_wait(sh.ds_ready[0], c % 2)
             stamp(cta, "delta", c, "ds_ready")
@@ -291,7 +310,6 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
                     dk[t, d] = dk[t, d] * times_rstd(sh.rdec[t], rk(sh), t)
                 T.gemm(sh.du, sh.s0, dk, transpose_B=True)
             T.barrier_arrive(sh.du_free[0])
-            T.barrier_arrive(sh.vs_free[0])
             stamp(cta, "delta", c, "dk_state")
             if own:
                 for t, d in T.Parallel(_C, K):
@@ -301,15 +319,27 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
                 T.barrier_wait(sh.vg_free[0], (c - 1) % 2)
             if own:
                 for t in T.Parallel(_C):
-                    sh.dgam_v[t] = row_sum[t] - 2.0 * te[t]
                     sh.te[t] = te[t]
+                    te[t] = row_sum[t] - 2.0 * te[t]  # dgamma's D and E terms, handed over with dq's below
                 if lane % 32 == 0:
                     sh.dot_part[lane // 32] = dot
+            stamp(cta, "delta", c, "vg_stored")
+            T.barrier_wait(sh.dpm_ready[0], c % 2)
+            stamp(cta, "delta", c, "dpm_ready")
+            # dq = scale D dO S0^T + dPm K^ as r_q dq = r_q scale D dO S0^T + Z K (module docstring), in two halves
+            # of its columns beside dk; dgamma gains rowsum(the first term . Q^)
+            if own:
+                dq_half(sh, cta, start, length, dq_head, dq, rows_half, dq_rows, 0)
+                dq_half(sh, cta, start, length, dq_head, dq, rows_half, dq_rows, K // 2)
+            T.barrier_arrive(sh.do_free[0])
+            T.barrier_arrive(sh.vs_free[0])
+            stamp(cta, "delta", c, "dq")
+            if own:
+                for t in T.Parallel(_C):
+                    sh.dgam_v[t] = te[t] + dq_rows[t]
             T.barrier_arrive(sh.vg_ready[0])
             stamp(cta, "delta", c, "vg_handed")
             # dk += dPm^T Q^ + X K^ + X^T K^, as r_k dk: Z^T Q + Y K + Y^T K (module docstring)
-            T.barrier_wait(sh.dpm_ready[0], c % 2)
-            stamp(cta, "delta", c, "dpm_ready")
             if own:
                 T.gemm(sh.cols, sh.q, dk, transpose_A=True)
             T.barrier_arrive(sh.dpm_read[0])
@@ -335,7 +365,7 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
             stamp(cta, "delta", c, "dk_stored")
 
     @T.macro
-    def delta_role(sh, cta, dv, dk_head):
+    def delta_role(sh, cta, dv, dk_head, dq_head):
         T.set_max_nreg(_REGISTERS[1], 1)
         acc = T.alloc_fragment((_C, V), f32)
         pm_do = T.alloc_fragment((_C, V), f32)
@@ -344,14 +374,17 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
         row_sum = T.alloc_fragment((_C,), f32)
         te = T.alloc_fragment((_C,), f32)
         rk_rows = T.alloc_fragment((_C,), f32) if normalize_qk else None
-        args = (dv, dk_head, acc, pm_do, dk, rows, row_sum, te, rk_rows)
+        dq = T.alloc_fragment((_C, K // 2), f32)
+        rows_half = T.alloc_fragment((_C, K // 2), f32)
+        dq_rows = T.alloc_fragment((_C,), f32)
+        args = (dv, dk_head, dq_head, acc, pm_do, dk, rows, row_sum, te, rk_rows, dq, rows_half, dq_rows)
         for c in T.serial(cta.n_warm):
             delta_chunk(sh, cta, c, False, *args)
         for c in T.serial(cta.n_chunks - cta.n_warm):
             delta_chunk(sh, cta, cta.n_warm + c, True, *args)
 
     @T.macro
-    def products_chunk(sh, cta, c, own, dq_head, pmf, gm, dp, dab, dq, rows, row_sum, row_sum_cc):
+    def products_chunk(sh, cta, c, own, pmf, gm, dp, dab, row_sum, row_sum_cc):
         """Chunk c of the products role; own as in delta_chunk. The column sums and dg's suffix sums are the state
         role's (chunk_epilogue): this role hands over two float32 tiles and two row-sum arrays."""
         if True:
@@ -384,6 +417,7 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
             if own:
                 T.gemm(sh.do, sh.delta, dp, transpose_B=True, clear_accum=True)
             T.barrier_arrive(sh.delta_free[0])
+            T.barrier_arrive(sh.do_free[0])
             stamp(cta, "products", c, "dp")
             if c > 0:
                 T.barrier_wait(sh.x_free[0], (c - 1) % 2)
@@ -422,31 +456,13 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
                     sh.cc_gam[t, s] = dp[t, s]
                 T.fence_proxy_async()  # the next chunk's v lands in W's bytes by TMA
             T.barrier_arrive(sh.cc_ready[0])
-            stamp(cta, "products", c, "cc_handed")
-            if own:
-                # dq = scale D dO S0^T + dPm K^; dgamma gains rowsum(dq's first term . Q^)
-                T.gemm(sh.do, sh.s0, dq, transpose_B=True, clear_accum=True)
-            T.barrier_arrive(sh.do_free[0])
             T.barrier_arrive(sh.vs_free[0])
+            stamp(cta, "products", c, "cc_handed")
             if c > 0:
                 T.barrier_wait(sh.rows_free[0], (c - 1) % 2)
             if own:
-                # as r_q dq: r_q scale D dO S0^T + Z K (module docstring)
-                for t, d in T.Parallel(_C, K):
-                    dq[t, d] = dq[t, d] * times_rstd(cta.scale * sh.dec[t], rq(sh), t)
-                for t, d in T.Parallel(_C, K):
-                    rows[t, d] = dq[t, d] * T.cast(sh.q[t, d], f32)
-                T.reduce_sum(rows, row_sum, dim=1, clear=True)
                 for t in T.Parallel(_C):
-                    sh.dgam_rows[t] = row_sum_cc[t] + row_sum[t]
-                T.gemm(sh.cols, sh.k, dq)
-                if normalize_qk:
-                    for t, d in T.Parallel(_C, K):
-                        dq[t, d] = dq[t, d] / sh.q_rstd[t]
-                for t, d in T.Parallel(_C, K):
-                    if t < length:
-                        dq_head[start + t, cta.head, d] = T.cast(dq[t, d], op)
-                stamp(cta, "products", c, "dq")
+                    sh.dgam_rows[t] = row_sum_cc[t]
                 # T1 = A~^T dA~ (into dA~'s buffer), dL = -strict lower(T1 A~^T), and K K^T for dbeta
                 T.gemm(sh.a, sh.pm, dp, transpose_A=True, clear_accum=True)
                 for t, s in T.Parallel(_C, _C):
@@ -476,17 +492,15 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
             stamp(cta, "products", c, "y_handed")
 
     @T.macro
-    def products_role(sh, cta, dq_head):
+    def products_role(sh, cta):
         T.set_max_nreg(_REGISTERS[2], 1)
         pmf = T.alloc_fragment((_C, _C), f32)   # scale Gm . Q^K^T, in float32
         gm = T.alloc_fragment((_C, _C), f32)
         dp = T.alloc_fragment((_C, _C), f32)
         dab = T.alloc_fragment((_C, _C), f32)
-        dq = T.alloc_fragment((_C, K), f32)
-        rows = T.alloc_fragment((_C, K), f32)
         row_sum = T.alloc_fragment((_C,), f32)
         row_sum_cc = T.alloc_fragment((_C,), f32)
-        args = (dq_head, pmf, gm, dp, dab, dq, rows, row_sum, row_sum_cc)
+        args = (pmf, gm, dp, dab, row_sum, row_sum_cc)
         for c in T.serial(cta.n_warm):
             products_chunk(sh, cta, c, False, *args)
         for c in T.serial(cta.n_chunks - cta.n_warm):
@@ -671,9 +685,9 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
             if tx < WARPGROUP:
                 state_role(sh, cta, dht, dh0, dg, dbeta)
             elif tx < 2 * WARPGROUP:
-                delta_role(sh, cta, dv, dk_head)
+                delta_role(sh, cta, dv, dk_head, dq_head)
             elif tx < 3 * WARPGROUP:
-                products_role(sh, cta, dq_head)
+                products_role(sh, cta)
             else:
                 T.set_max_nreg(_REGISTERS[3], 0)
                 if tx < 3 * WARPGROUP + 32:
