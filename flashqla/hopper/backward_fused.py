@@ -10,10 +10,12 @@ One CTA per (piece, value head), all 128 V columns, 512 threads in four roles th
   tiles from the products role and dg's suffix sums;
 - delta (warpgroup 1), the state's partner on the chain: U = K S0, W = V - D U (in v's buffer),
   Delta = Ab W; Pm^T dO before dS1 arrives, then dDelta = E K dS1 + Pm^T dO, dW = Ab^T dDelta (= dv),
-  dU; off the chain dk = E Delta dS1^T + dU S0^T + dPm^T Q + (X + X^T) K, dgamma's D and E terms and <S0, dS1>;
+  dU; off the chain dk = E Delta dS1^T + dU S0^T + dPm^T Q + (X + X^T) K, dgamma's D and E terms and <S0, dS1>,
+  and between dk's state and C x C terms dq = scale D dO S0^T + dPm K in two halves of its columns (a 64 x 128
+  fragment beside dk's would spill);
 - products (warpgroup 2): Pm and Ab from Q K^T, A~ and one Gm for the others; the C x C half of
-  the gradients (dP, dAb, dA~, T1, dL, dPm, X), dq = scale D dO S0^T + dPm K, the row sums of dg and dbeta,
-  and the C x C tiles whose column sums they need, in float32 in the bytes of dDelta and W (both read by then);
+  the gradients (dP, dAb, dA~, T1, dL, dPm, X), the row sums of dg and dbeta, and the C x C tiles whose column
+  sums they need, in float32 in the bytes of dDelta and W (both read by then);
 - loads (warpgroup 3): one warp each for q/k with gamma, beta, the decays and r; A~; v and S0; dO.
 
 Chunks are walked in lock-step: every shared buffer is single (227 KB hold one chunk's worth), each

@@ -39,10 +39,10 @@ SPILL_CEILINGS = {
     "backward_chunk_grads": 20,
     "backward_chunk_grads_normalizing_qk": 32,
     "backward_chunk_grads_l2norm": 48,
-    # the fused reverse walk (candidate): its products role at 152 registers (the state role needs 160, the delta
-    # role 168, the loads 32); ~140 bytes of the plain kernel's are the state role's epilogue, run while it waits
-    "backward_fused": 396,
-    "backward_fused_normalizing_qk": 464,
+    # the fused reverse walk (candidate) at 160 / 168 / 152 / 32 registers (state, delta, products, loads;
+    # 160 / 176 / 144 and 152 / 184 / 144 spill more); the delta role holds dk and half of dq at once, the state role its epilogue
+    "backward_fused": 212,
+    "backward_fused_normalizing_qk": 496,
 }
 
 
