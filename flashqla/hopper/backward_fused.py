@@ -53,8 +53,8 @@ _REGISTERS = (160, 168, 152, 32)
 # record_timeline: the points of a chunk at which each role's first thread reads the SM's clock, in loop order,
 # for the first TIMELINE_CHUNKS chunks of every CTA (tools/walk_timeline.py --backward summarises them)
 TIMELINE_EVENTS = {
-    "state": ("top", "ds_free", "ds_handed", "cc_ready", "colsums", "rows_ready", "epilogue", "tiles", "dog_made",
-              "q_dog", "du_ready", "k_du"),
+    "state": ("top", "ds_free", "ds_handed", "cc_ready", "colsums", "tiles", "dog_made", "q_dog", "rows_ready",
+              "epilogue", "du_ready", "k_du"),
     "delta": ("top", "tiles", "delta", "delta_handed", "pm_do", "ds_ready", "dd_handed", "dw", "du_handed", "dk_state",
               "vg_stored", "dpm_ready", "dq", "vg_handed", "zq", "x_ready", "qk_released", "dk_stored"),
     "products": ("top", "tiles", "products", "delta_ready", "dp", "z_handed", "dd_ready", "dab",
@@ -101,31 +101,36 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
         T.barrier_wait(sh.state_sync[0], parity)
 
     @T.macro
-    def chunk_epilogue(sh, cta, c, own, lane, chunk_decay, dg, dbeta):
-        """dg and dbeta of chunk c, by the state role while it waits for the next chunk's q, k (off the products
-        role's path): the column sums of the products role's two float32 tiles (a column a thread: threads 0-63 the
-        dgamma tile, 64-127 the dbeta tile), then dg_t = e^{gamma_C} <S0, dS1> + sum te + sum_{j >= t} dgamma_j.
-        own: a run-time bool (no fragment is live here). Two state_sync a call, so their parities are fixed."""
-        col = T.alloc_var(f32)
+    def column_sums(sh, cta, c, own, lane, col):
+        """The first half of chunk c's dg and dbeta, by the state role off the products role's path: the column
+        sums of the products role's two float32 tiles (a column a thread: threads 0-63 the dgamma tile, 64-127 the
+        dbeta tile) into col[0]. own: a run-time bool. Releases dDelta's and W's bytes, which the tiles borrowed."""
+        T.barrier_wait(sh.cc_ready[0], c % 2)
+        stamp(cta, "state", c + 1, "cc_ready")
+        if own:
+            col[0] = 0.0
+            if lane < _C:
+                for r in T.unroll(_C):
+                    col[0] = col[0] + sh.cc_gam[r, lane]
+            else:
+                for r in T.unroll(_C):
+                    col[0] = col[0] + sh.cc_beta[r, lane - _C]
+        T.barrier_arrive(sh.dd_free[0])
+        T.barrier_arrive(sh.vs_free[0])
+        stamp(cta, "state", c + 1, "colsums")
+
+    @T.macro
+    def chunk_epilogue(sh, cta, c, own, lane, col, chunk_decay, dg, dbeta):
+        """The rest of chunk c's dg and dbeta, after column_sums: dbeta_t = col + the row sums, and dg_t =
+        e^{gamma_C} <S0, dS1> + sum te + sum_{j >= t} dgamma_j. Run where the state role would wait for dU anyway,
+        after it released dOg's buffer: on the chain it delayed dU. Two state_sync a call, so their parities are
+        fixed."""
         suffix = T.alloc_var(f32)
         shifted = T.alloc_var(f32)
         te_sum = T.alloc_var(f32)
         total = T.alloc_var(f32)
         start = cta.start_of(c)
         length = T.min(cta.eos - start, _C)
-        T.barrier_wait(sh.cc_ready[0], c % 2)
-        stamp(cta, "state", c + 1, "cc_ready")
-        if own:
-            col = 0.0
-            if lane < _C:
-                for r in T.unroll(_C):
-                    col = col + sh.cc_gam[r, lane]
-            else:
-                for r in T.unroll(_C):
-                    col = col + sh.cc_beta[r, lane - _C]
-        T.barrier_arrive(sh.dd_free[0])
-        T.barrier_arrive(sh.vs_free[0])
-        stamp(cta, "state", c + 1, "colsums")
         T.barrier_wait(sh.rows_ready[0], c % 2)
         T.barrier_wait(sh.vg_ready[0], c % 2)
         stamp(cta, "state", c + 1, "rows_ready")
@@ -133,7 +138,7 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
             # suffix sums by shuffles in the first two warps (a row a thread), warp 0 then adds warp 1's total: a
             # fixed order, deterministic
             if lane < _C:
-                suffix = T.if_then_else(lane < length, sh.dgam_rows[lane] + sh.dgam_v[lane] - col, 0.0)
+                suffix = T.if_then_else(lane < length, sh.dgam_rows[lane] + sh.dgam_v[lane] - col[0], 0.0)
                 for o in T.unroll(5):
                     shifted = T.shfl_down(suffix, 1 << o)
                     suffix = suffix + T.if_then_else(lane % 32 + (1 << o) < 32, shifted, 0.0)
@@ -142,7 +147,7 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
                     sh.suffix_part[lane // 32] = suffix
                     sh.te_part[lane // 32] = te_sum
             elif lane - _C < length:
-                dbeta[start + lane - _C, cta.head] = col + sh.dbeta_rows[lane - _C]
+                dbeta[start + lane - _C, cta.head] = col[0] + sh.dbeta_rows[lane - _C]
             state_sync(sh, 0)
             if lane < length:
                 total = (sh.dot_part[0] + sh.dot_part[1] + sh.dot_part[2] + sh.dot_part[3]) * chunk_decay
@@ -160,6 +165,8 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
         lane = T.get_thread_binding()
         chunk_decay = T.alloc_var(f32)  # e^{gamma_C} of the chunk, kept for its epilogue (the loads refill dec)
         chunk_decay = 1.0
+        decay_before = T.alloc_var(f32)  # the chunk before's, for its epilogue in this chunk's turn
+        col = T.alloc_local((1,), f32)  # a thread's column sum, from column_sums to chunk_epilogue
         ds = T.alloc_fragment((K, V), f32)
         if cta.walk_last == cta.eos:
             T.copy(dht[cta.seq, cta.head, 0:K, 0:V], ds)
@@ -174,10 +181,11 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
             T.fence_proxy_async()
             T.barrier_arrive(sh.ds_ready[0])
             stamp(cta, "state", c, "ds_handed")
-            if c > 0:  # the chunk before's dg and dbeta, while this chunk's q, k load
-                chunk_epilogue(sh, cta, c - 1, c - 1 >= cta.n_warm, lane, chunk_decay, dg, dbeta)
+            if c > 0:  # the chunk before's dg and dbeta begin while this chunk's q, k load
+                column_sums(sh, cta, c - 1, c - 1 >= cta.n_warm, lane, col)
             T.barrier_wait(sh.qk_full[0], c % 2)
             stamp(cta, "state", c, "tiles")
+            decay_before = chunk_decay
             chunk_decay = sh.dec[_C - 1]
             for i, j in T.Parallel(K, V):
                 ds[i, j] = ds[i, j] * chunk_decay
@@ -195,6 +203,8 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
             T.gemm(sh.q, sh.du, ds, transpose_A=True)
             stamp(cta, "state", c, "q_dog")
             T.barrier_arrive(sh.dog_free[0])
+            if c > 0:
+                chunk_epilogue(sh, cta, c - 1, c - 1 >= cta.n_warm, lane, col, decay_before, dg, dbeta)
             T.barrier_wait(sh.du_ready[0], c % 2)
             stamp(cta, "state", c, "du_ready")
             T.gemm(sh.k, sh.du, ds, transpose_A=True)
@@ -202,7 +212,8 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
             T.barrier_arrive(sh.du_free[0])
             T.barrier_arrive(sh.qk_free[0])
         if cta.n_chunks > cta.n_warm:  # the last chunk is the piece's
-            chunk_epilogue(sh, cta, cta.n_chunks - 1, True, lane, chunk_decay, dg, dbeta)
+            column_sums(sh, cta, cta.n_chunks - 1, True, lane, col)
+            chunk_epilogue(sh, cta, cta.n_chunks - 1, True, lane, col, chunk_decay, dg, dbeta)
         if cta.walk_first == cta.bos:
             T.copy(ds, dh0[cta.seq, cta.head, 0:K, 0:V])
 
@@ -278,16 +289,16 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
             T.barrier_arrive(sh.dd_read[0])
             T.barrier_arrive(sh.prod_free[0])
             stamp(cta, "delta", c, "dw")
-            if own:
-                for t, d in T.Parallel(_C, V):
-                    if t < length:
-                        dv[start + t, cta.head, d] = T.cast(acc[t, d], op)
             T.barrier_wait(sh.dog_free[0], c % 2)
             for t, d in T.Parallel(_C, V):
                 sh.du[t, d] = T.cast(-times_rstd(sh.dec[t], rk(sh), t) * acc[t, d], op)
             T.fence_proxy_async()
             T.barrier_arrive(sh.du_ready[0])
             stamp(cta, "delta", c, "du_handed")
+            if own:  # stored once dU, on the state's chain, is handed over
+                for t, d in T.Parallel(_C, V):
+                    if t < length:
+                        dv[start + t, cta.head, d] = T.cast(acc[t, d], op)
             # dk's state terms and dgamma's D and E terms (module docstring)
             if own:
                 T.gemm(sh.delta, sh.ds, dk, transpose_B=True, clear_accum=True)
