@@ -5,9 +5,9 @@ walks, so dS never goes through HBM and q, k, dO are read once.
 One CTA per (piece, value head), all 128 V columns, 512 threads in four roles that meet on mbarriers:
 
 - state (warpgroup 0): dS (K x V, float32, in registers). A chunk: hands dS1 over as bf16, makes
-  dOg = scale D r_q dO, then dS0 = e^{gamma_C} dS1 + Q^T dOg + K^T dU (dU = -D r_k dW); while the next
-  chunk's q, k load (it would wait for them anyway) the chunk's dg and dbeta: the column sums of two float32
-  tiles from the products role and dg's suffix sums;
+  dOg = scale D r_q dO, then dS0 = e^{gamma_C} dS1 + Q^T dOg + K^T dU (dU = -D r_k dW); the chunk's dg and
+  dbeta where it would wait anyway: the column sums of two float32 tiles from the products role while the next
+  chunk's q, k load, dg's suffix sums and the stores while the delta role makes that chunk's dU;
 - delta (warpgroup 1), the state's partner on the chain: U = K S0, W = V - D U (in v's buffer),
   Delta = Ab W; Pm^T dO before dS1 arrives, then dDelta = E K dS1 + Pm^T dO, dW = Ab^T dDelta (= dv),
   dU; off the chain dk = E Delta dS1^T + dU S0^T + dPm^T Q + (X + X^T) K, dgamma's D and E terms and <S0, dS1>,
@@ -399,7 +399,7 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
     @T.macro
     def products_chunk(sh, cta, c, own, pmf, gm, dp, dab, row_sum, row_sum_cc):
         """Chunk c of the products role; own as in delta_chunk. The column sums and dg's suffix sums are the state
-        role's (chunk_epilogue): this role hands over two float32 tiles and two row-sum arrays."""
+        role's (column_sums, chunk_epilogue): this role hands over two float32 tiles and two row-sum arrays."""
         if True:
             start = cta.start_of(c)
             length = T.min(cta.eos - start, _C)
@@ -644,7 +644,7 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
                 ab=T.alloc_shared((_C, _C), op),
                 delta=T.alloc_shared((_C, V), op),
                 dd=dd,                                # dDelta
-                # the products role's float32 tiles for the state role's column sums (chunk_epilogue), in bytes
+                # the products role's float32 tiles for the state role's column sums (column_sums), in bytes
                 # whose other uses in the chunk are over by then
                 cc_beta=T.view(dd, (_C, _C), f32),
                 cc_gam=T.view(w, (_C, _C), f32),
