@@ -12,7 +12,7 @@ One CTA per (piece, value head), all 128 V columns, 512 threads in four roles th
   Delta = Ab W; Pm^T dO before dS1 arrives, then dDelta = E K dS1 + Pm^T dO, dW = Ab^T dDelta (= dv),
   dU; off the chain dk = E Delta dS1^T + dU S0^T + dPm^T Q + (X + X^T) K, dgamma's D and E terms and <S0, dS1>,
   and between dk's state and C x C terms dq = scale D dO S0^T + dPm K in two halves of its columns (a 64 x 128
-  fragment beside dk's would spill);
+  fragment beside dk's would spill); dq and dk leave through Delta's buffer by TMA stores (store_rows);
 - products (warpgroup 2): Pm and Ab from Q K^T, A~ and one Gm for the others; the C x C half of
   the gradients (dP, dAb, dA~, T1, dL, dPm, X), the row sums of dg and dbeta, and the C x C tiles whose column
   sums they need, in float32 in the bytes of dDelta and W (both read by then);
@@ -63,6 +63,8 @@ TIMELINE_EVENTS = {
 }
 TIMELINE_CHUNKS = 64
 _TIMELINE_SLOTS = max(len(events) for events in TIMELINE_EVENTS.values())
+# a named barrier of the delta role's own (TileLang numbers its per-role barriers from 3 up, one each)
+_DELTA_BARRIER = 12
 _ROLE_LEADERS = {"state": 0, "delta": WARPGROUP, "products": 2 * WARPGROUP, "loads": 3 * WARPGROUP}
 
 
@@ -218,6 +220,25 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
             T.copy(ds, dh0[cta.seq, cta.head, 0:K, 0:V])
 
     @T.macro
+    def store_rows(sh, cta, frag, out, start, length, first, width, in_flight=0):
+        """out[start + t, head, first + d] = frag[t, d] for the chunk's rows t < length. A full chunk goes through
+        sh.delta's columns first .. first + width (the delta role's own between its last read of Delta and the
+        next chunk's) and one TMA store: the threads' stores of a wgmma fragment write 4 bytes each (~2.4k cycles
+        for a 64 x 128 tile, docs/kernel-notes.md). A sequence's partial last chunk is stored by the threads: a
+        64-row box would write into the next sequence's rows. in_flight: how many of the role's last stores may still
+        be reading sh.delta (those of other columns)."""
+        if length == _C:
+            T.tma_store_wait(in_flight)  # the role's earlier stores have read these bytes (the issuer waits, then all)
+            T.sync_threads(_DELTA_BARRIER, WARPGROUP)
+            T.copy(frag, sh.delta[0:_C, first:first + width])
+            T.fence_proxy_async()
+            T.tma_copy(sh.delta[0:_C, first:first + width], out[start:start + _C, cta.head, first:first + width])
+        else:
+            for t, d in T.Parallel(_C, width):
+                if t < length:
+                    out[start + t, cta.head, first + d] = T.cast(frag[t, d], op)
+
+    @T.macro
     def dq_half(sh, cta, start, length, dq_head, dq, rows_half, dq_rows, first):
         """Columns first .. first + K / 2 of r_q dq: dO through S0's matching rows, scaled, its row products with
         q's half summed into dq_rows (dgamma's dq term; the half at 0 clears it), then Z K's half."""
@@ -232,9 +253,7 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
         if normalize_qk:
             for t, d in T.Parallel(_C, half):
                 dq[t, d] = dq[t, d] / sh.q_rstd[t]
-        for t, d in T.Parallel(_C, half):
-            if t < length:
-                dq_head[start + t, cta.head, first + d] = T.cast(dq[t, d], op)
+        store_rows(sh, cta, dq, dq_head, start, length, first, half, in_flight=int(first > 0))
 
     @T.macro
     def delta_chunk(sh, cta, c, own, dv, dk_head, dq_head, acc, pm_do, dk, rows, row_sum, te, rk_rows, dq,
@@ -264,6 +283,8 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
             if c > 0:
                 T.barrier_wait(sh.delta_free[0], (c - 1) % 2)
             if own:
+                T.tma_store_wait(0)  # the chunk before's last store has read sh.delta
+                T.sync_threads(_DELTA_BARRIER, WARPGROUP)
                 T.copy(acc, sh.delta)
                 T.fence_proxy_async()
             T.barrier_arrive(sh.delta_ready[0])
@@ -295,7 +316,8 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
             T.fence_proxy_async()
             T.barrier_arrive(sh.du_ready[0])
             stamp(cta, "delta", c, "du_handed")
-            if own:  # stored once dU, on the state's chain, is handed over
+            if own:  # stored once dU, on the state's chain, is handed over (by the threads: through Delta's
+                # buffer after dk's Delta dS1^T, below, acc would stay live beside dk and spill)
                 for t, d in T.Parallel(_C, V):
                     if t < length:
                         dv[start + t, cta.head, d] = T.cast(acc[t, d], op)
@@ -372,9 +394,7 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
                 if normalize_qk:
                     for t, d in T.Parallel(_C, K):
                         dk[t, d] = dk[t, d] / rk_rows[t]
-                for t, d in T.Parallel(_C, K):
-                    if t < length:
-                        dk_head[start + t, cta.head, d] = T.cast(dk[t, d], op)
+                store_rows(sh, cta, dk, dk_head, start, length, 0, K)
             stamp(cta, "delta", c, "dk_stored")
 
     @T.macro
@@ -395,6 +415,7 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
             delta_chunk(sh, cta, c, False, *args)
         for c in T.serial(cta.n_chunks - cta.n_warm):
             delta_chunk(sh, cta, cta.n_warm + c, True, *args)
+        T.tma_store_wait(0, read=False)  # the last stores are done before the CTA's shared memory goes
 
     @T.macro
     def products_chunk(sh, cta, c, own, pmf, gm, dp, dab, row_sum, row_sum_cc):
