@@ -23,6 +23,10 @@
 #                       16/64 x 32768 (storing everything and nothing), 16/64 8192x4, 16/16 x 131072 and 2/8 x 32768
 #                       (WALK_OPTION=name: a candidate's fused_forward switch)
 #   compare-conv        python -m flashqla.bench --compare conv (the conv kernel against torch.compile; its backward's token blocks)
+#   fused-bench:FORM    the fused reverse walk's forms side by side in one call (FORM: main, the tree's
+#   fused-timeline:FORM flashqla/hopper/backward_fused.py, or NAME for .devkit/alt/backward_fused_NAME.py, put in its
+#   fused-tests:FORM    place for the step): --compare backward_fused, tools/walk_timeline.py --backward plain and
+#                       --model on 16/16 x 131072, its GPU tests (JSON in logs.tgz: compare-FORM, timeline-FORM[-model])
 #   attention           python -m benchmarks.attention_backends (SDPA's kernels and varlen_attn; ATTENTION_ARGS)
 #   loss-curves         20 steps at 8192 tokens of this tree and of baseline/ (a git archive of an older commit), losses side by side
 #   train-32k           launch/benchmark.sh 0.8B 32768 tilelang (train-32k-compare: tilelang,fla;
@@ -193,6 +197,24 @@ print(first_call_s(implementations([])["ours"], make_inputs(heads, lens)))' "${N
             '"$PYTHON"' tools/walk_timeline.py --heads $1 --lengths $2 --keep $3 '"${WALK_OPTION:+--option $WALK_OPTION}"' || exit 1
         done'
         ;;
+    fused-bench:* | fused-timeline:* | fused-tests:*)
+        local form=${1#*:} kernel=flashqla/hopper/backward_fused.py
+        [ -f /tmp/backward_fused_main.py ] || cp "$kernel" /tmp/backward_fused_main.py
+        if [ "$form" = main ]; then cp /tmp/backward_fused_main.py "$kernel"; else cp ".devkit/alt/backward_fused_$form.py" "$kernel"; fi
+        case $1 in
+        fused-bench:*)
+            step "$1" 90 30 "$PYTHON" -m flashqla.bench --compare backward_fused --rep 50 --json "$LOGS/compare-$form.json" ;;
+        fused-timeline:*)
+            step "$1" 60 25 bash -c 'for mode in "" --model; do
+                '"$PYTHON"' tools/walk_timeline.py --backward $mode --heads 16/16 --lengths 131072 \
+                    --json "'"$LOGS/timeline-$form"'${mode:+-model}.json" || exit 1
+            done' ;;
+        fused-tests:*)
+            step "$1" 200 150 "$PYTHON" -m pytest -m gpu -q -x -rfE -p no:cacheprovider \
+                tests/flashqla/test_hopper_backward_fused.py ;;
+        esac
+        cp /tmp/backward_fused_main.py "$kernel"
+        ;;
     compare-conv)
         step compare-conv 200 40 "$PYTHON" -m flashqla.bench --compare conv --json "$OUT/compare-conv.json"
         ;;
@@ -320,7 +342,7 @@ print("max |difference|", max(abs(losses[0][s] - losses[1][s]) for s in losses[0
             launch/benchmark.sh 0.8B 8192 tilelang ${TP2_OVERRIDES:-}
         ;;
     *)
-        echo "unknown part '$1': tests, tests-model, walk-timeline, unverified, candidates, compare, compare-conv, attention, bench, bench-warm, ncu, ncu-source," \
+        echo "unknown part '$1': tests, tests-model, walk-timeline, unverified, candidates, compare, compare-conv, fused-bench:FORM, fused-timeline:FORM, fused-tests:FORM, attention, bench, bench-warm, ncu, ncu-source," \
             "train-8k, train-32k, train-32k-compare, train-32k-compare-recompute, train-128k-compare, train-128k-tilelang, train-128k-fla, train-256k, train-384k, train-512k, train-2b, train," \
             "idle, timing-cost, checkpoint-layers, keep-levels, model-bench, model-bench-ab, model-vs-hf," \
             "tp2, tp2-8k" >&2
