@@ -12,7 +12,8 @@ One CTA per (piece, value head), all 128 V columns, 512 threads in four roles th
   Delta = Ab W; Pm^T dO before dS1 arrives, then dDelta = E K dS1 + Pm^T dO, dW = Ab^T dDelta (= dv),
   dU; off the chain dk = E Delta dS1^T + dU S0^T + dPm^T Q + (X + X^T) K, dgamma's D and E terms and <S0, dS1>,
   and between dk's state and C x C terms dq = scale D dO S0^T + dPm K in two halves of its columns (a 64 x 128
-  fragment beside dk's would spill); dq and dk leave through Delta's buffer by TMA stores (store_rows);
+  fragment beside dk's would spill); dq and dk leave through Delta's buffer by TMA stores (store_rows), dv
+  through dDelta's once the products role's dAb has read it;
 - products (warpgroup 2): Pm and Ab from Q K^T, A~ and one Gm for the others; the C x C half of
   the gradients (dP, dAb, dA~, T1, dL, dPm, X), the row sums of dg and dbeta, and the C x C tiles whose column
   sums they need, in float32 in the bytes of dDelta and W (both read by then);
@@ -220,19 +221,20 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
             T.copy(ds, dh0[cta.seq, cta.head, 0:K, 0:V])
 
     @T.macro
-    def store_rows(sh, cta, frag, out, start, length, first, width, in_flight=0):
+    def store_rows(sh, cta, frag, out, start, length, first, width, in_flight=0, stage=None):
         """out[start + t, head, first + d] = frag[t, d] for the chunk's rows t < length. A full chunk goes through
-        sh.delta's columns first .. first + width (the delta role's own between its last read of Delta and the
-        next chunk's) and one TMA store: the threads' stores of a wgmma fragment write 4 bytes each (~2.4k cycles
+        the columns first .. first + width of `stage` (default sh.delta, the delta role's own between its last read
+        of Delta and the next chunk's) and one TMA store: the threads' stores of a wgmma fragment write 4 bytes each (~2.4k cycles
         for a 64 x 128 tile, docs/kernel-notes.md). A sequence's partial last chunk is stored by the threads: a
         64-row box would write into the next sequence's rows. in_flight: how many of the role's last stores may still
         be reading sh.delta (those of other columns)."""
+        stage = sh.delta if stage is None else stage
         if length == _C:
             T.tma_store_wait(in_flight)  # the role's earlier stores have read these bytes (the issuer waits, then all)
             T.sync_threads(_DELTA_BARRIER, WARPGROUP)
-            T.copy(frag, sh.delta[0:_C, first:first + width])
+            T.copy(frag, stage[0:_C, first:first + width])
             T.fence_proxy_async()
-            T.tma_copy(sh.delta[0:_C, first:first + width], out[start:start + _C, cta.head, first:first + width])
+            T.tma_copy(stage[0:_C, first:first + width], out[start:start + _C, cta.head, first:first + width])
         else:
             for t, d in T.Parallel(_C, width):
                 if t < length:
@@ -307,7 +309,6 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
             stamp(cta, "delta", c, "dd_handed")
             # dW = Ab^T dDelta = dv;  dU = -D r_k dW, for the state and dk
             T.gemm(sh.ab, sh.dd, acc, transpose_A=True, clear_accum=True)
-            T.barrier_arrive(sh.dd_read[0])
             T.barrier_arrive(sh.prod_free[0])
             stamp(cta, "delta", c, "dw")
             T.barrier_wait(sh.dog_free[0], c % 2)
@@ -316,14 +317,14 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
             T.fence_proxy_async()
             T.barrier_arrive(sh.du_ready[0])
             stamp(cta, "delta", c, "du_handed")
-            if own:  # stored once dU, on the state's chain, is handed over (by the threads: through Delta's
-                # buffer after dk's Delta dS1^T, below, acc would stay live beside dk and spill)
-                for t, d in T.Parallel(_C, V):
-                    if t < length:
-                        dv[start + t, cta.head, d] = T.cast(acc[t, d], op)
+            if own:  # stored once dU, on the state's chain, is handed over, through dDelta's buffer once the
+                # products role's dAb has read it too (Delta's is still read below)
+                T.barrier_wait(sh.dab_done[0], c % 2)
+                store_rows(sh, cta, acc, dv, start, length, 0, V, stage=sh.dd)
             # dk's state terms and dgamma's D and E terms (module docstring)
             if own:
                 T.gemm(sh.delta, sh.ds, dk, transpose_B=True, clear_accum=True)
+                T.tma_store_wait(0)  # dv's store has read dDelta's buffer, where the products role's tile goes next
                 # <S0, dS1> for dg's e^{gamma_C} term: each thread one row, then a warp sum
                 for j in T.vectorized(8):
                     dot_acc[j] = 0.0
@@ -334,6 +335,7 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
                 for j in T.unroll(1, 8):
                     dot = dot + dot_acc[j]
                 dot = T.warp_reduce_sum(dot)
+            T.barrier_arrive(sh.dd_read[0])
             T.barrier_arrive(sh.ds_free[0])
             if own:
                 for t, d in T.Parallel(_C, K):
@@ -471,6 +473,7 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
             if own:
                 T.gemm(sh.dd, sh.w, dab, transpose_B=True, clear_accum=True)
                 stamp(cta, "products", c, "dab")
+            T.barrier_arrive(sh.dab_done[0])
             T.barrier_wait(sh.dd_read[0], c % 2)
             stamp(cta, "products", c, "dd_read")
             if own:
@@ -703,6 +706,7 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
                 delta_free=T.alloc_barrier(arrive_count=[WARPGROUP]),
                 dd_ready=T.alloc_barrier(arrive_count=[WARPGROUP]),
                 dd_read=T.alloc_barrier(arrive_count=[WARPGROUP]),
+                dab_done=T.alloc_barrier(arrive_count=[WARPGROUP]),
                 dd_free=T.alloc_barrier(arrive_count=[WARPGROUP]),
                 dpm_ready=T.alloc_barrier(arrive_count=[WARPGROUP]),
                 dpm_read=T.alloc_barrier(arrive_count=[WARPGROUP]),
