@@ -7,11 +7,10 @@ One CTA per (piece, value head), all 128 V columns, 512 threads in four roles th
 - state (warpgroup 0): dS (K x V, float32, in registers). A chunk: hands dS1 over as bf16, makes
   dOg = scale D r_q dO, then dS0 = e^{gamma_C} dS1 + Q^T dOg + K^T dU (dU = -D r_k dW); the chunk's dg and
   dbeta where it would wait anyway: the column sums of two float32 tiles from the products role while the next
-  chunk's q, k load, dg's suffix sums and the stores while the delta role makes that chunk's dU;
+  chunk's q, k load, <S0, dS1>, dg's suffix sums and the stores while the delta role makes that chunk's dU;
 - delta (warpgroup 1), the state's partner on the chain: U = K S0, W = V - D U (in v's buffer),
   Delta = Ab W; Pm^T dO before dS1 arrives, then dDelta = E K dS1 + Pm^T dO, dW = Ab^T dDelta (= dv),
-  dU; off the chain dk = E Delta dS1^T + dU S0^T + dPm^T Q + (X + X^T) K, dgamma's D and E terms and <S0, dS1>,
-  and between dk's state and C x C terms dq = scale D dO S0^T + dPm K in two halves of its columns (a 64 x 128
+  dU; off the chain dk = E Delta dS1^T + dU S0^T + dPm^T Q + (X + X^T) K and dgamma's D and E terms, and between dk's state and C x C terms dq = scale D dO S0^T + dPm K in two halves of its columns (a 64 x 128
   fragment beside dk's would spill); dq and dk leave through Delta's buffer by TMA stores (store_rows), dv
   through dDelta's once the products role's dAb has read it;
 - products (warpgroup 2): Pm and Ab from Q K^T, A~ and one Gm for the others; the C x C half of
@@ -163,6 +162,20 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
         stamp(cta, "state", c + 1, "epilogue")
 
     @T.macro
+    def state_dot(sh, lane):
+        """<S0, dS1> of the chunk for dg's e^{gamma_C} term, from the bf16 dS1 this role handed over and S0 (both
+        kept until this role's next turn), where it waits for dU anyway: a row a thread into one sum (dS's fragment
+        leaves few registers), then a warp sum into dot_part, which chunk_epilogue reads after a state_sync."""
+        dot = T.alloc_var(f32)
+        dot = 0.0
+        for b in T.serial(V // 8):
+            for j in T.unroll(8):
+                dot = dot + T.cast(sh.s0[lane, b * 8 + j], f32) * T.cast(sh.ds[lane, b * 8 + j], f32)
+        dot = T.warp_reduce_sum(dot)
+        if lane % 32 == 0:
+            sh.dot_part[lane // 32] = dot
+
+    @T.macro
     def state_role(sh, cta, dht, dh0, dg, dbeta):
         T.set_max_nreg(_REGISTERS[0], 1)
         lane = T.get_thread_binding()
@@ -208,6 +221,9 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
             T.barrier_arrive(sh.dog_free[0])
             if c > 0:
                 chunk_epilogue(sh, cta, c - 1, c - 1 >= cta.n_warm, lane, col, decay_before, dg, dbeta)
+            T.barrier_wait(sh.vs_full[0], c % 2)
+            if c >= cta.n_warm:
+                state_dot(sh, lane)
             T.barrier_wait(sh.du_ready[0], c % 2)
             stamp(cta, "state", c, "du_ready")
             T.gemm(sh.k, sh.du, ds, transpose_A=True)
@@ -263,8 +279,6 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
         """Chunk c of the delta role; own (a Python bool): a chunk of the piece, else a warm-up chunk (the
         chain only). Two loops instead of a run-time branch: ptxas then sees no fragment live across chunks."""
         lane = T.get_thread_binding() - WARPGROUP
-        dot_acc = T.alloc_local((8,), f32)
-        dot = T.alloc_var(f32)
         if True:
             start = cta.start_of(c)
             length = T.min(cta.eos - start, _C)
@@ -325,16 +339,6 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
             if own:
                 T.gemm(sh.delta, sh.ds, dk, transpose_B=True, clear_accum=True)
                 T.tma_store_wait(0)  # dv's store has read dDelta's buffer, where the products role's tile goes next
-                # <S0, dS1> for dg's e^{gamma_C} term: each thread one row, then a warp sum
-                for j in T.vectorized(8):
-                    dot_acc[j] = 0.0
-                for b in T.unroll(V // 8):
-                    for j in T.vectorized(8):
-                        dot_acc[j] = dot_acc[j] + T.cast(sh.s0[lane, b * 8 + j], f32) * T.cast(sh.ds[lane, b * 8 + j], f32)
-                dot = dot_acc[0]
-                for j in T.unroll(1, 8):
-                    dot = dot + dot_acc[j]
-                dot = T.warp_reduce_sum(dot)
             T.barrier_arrive(sh.dd_read[0])
             T.barrier_arrive(sh.ds_free[0])
             if own:
@@ -358,8 +362,6 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
                 for t in T.Parallel(_C):
                     sh.te[t] = te[t]
                     te[t] = row_sum[t] - 2.0 * te[t]  # dgamma's D and E terms, handed over with dq's below
-                if lane % 32 == 0:
-                    sh.dot_part[lane // 32] = dot
             stamp(cta, "delta", c, "vg_stored")
             T.barrier_wait(sh.dpm_ready[0], c % 2)
             stamp(cta, "delta", c, "dpm_ready")
@@ -684,7 +686,7 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
                 dgam_v=T.alloc_shared((_C,), f32),
                 te=T.alloc_shared((_C,), f32),
                 dbeta_rows=T.alloc_shared((_C,), f32),
-                dot_part=T.alloc_shared((4,), f32),   # per warp of the delta role
+                dot_part=T.alloc_shared((4,), f32),   # <S0, dS1> per warp of the state role
                 suffix_part=T.alloc_shared((2,), f32),
                 te_part=T.alloc_shared((2,), f32),
                 qk_full=T.alloc_barrier(arrive_count=[32]),
