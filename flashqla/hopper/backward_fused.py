@@ -10,7 +10,8 @@ One CTA per (piece, value head), all 128 V columns, 512 threads in four roles th
   chunk's q, k load, <S0, dS1>, dg's suffix sums and the stores while the delta role makes that chunk's dU;
 - delta (warpgroup 1), the state's partner on the chain: U = K S0, W = V - D U (in v's buffer),
   Delta = Ab W; Pm^T dO before dS1 arrives, then dDelta = E K dS1 + Pm^T dO, dW = Ab^T dDelta (= dv),
-  dU; off the chain dk = E Delta dS1^T + dU S0^T + dPm^T Q + (X + X^T) K and dgamma's D and E terms, and between dk's state and C x C terms dq = scale D dO S0^T + dPm K in two halves of its columns (a 64 x 128
+  dU; off the chain dk = E Delta dS1^T + dU S0^T + dPm^T Q + (X + X^T) K and dgamma's D and E terms, and
+  between dk's state and C x C terms dq = scale D dO S0^T + dPm K in two halves of its columns (a 64 x 128
   fragment beside dk's would spill); dq and dk leave through Delta's buffer by TMA stores (store_rows), dv
   through dDelta's once the products role's dAb has read it;
 - products (warpgroup 2): Pm and Ab from Q K^T, A~ and one Gm for the others; the C x C half of
@@ -240,10 +241,10 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
     def store_rows(sh, cta, frag, out, start, length, first, width, in_flight=0, stage=None):
         """out[start + t, head, first + d] = frag[t, d] for the chunk's rows t < length. A full chunk goes through
         the columns first .. first + width of `stage` (default sh.delta, the delta role's own between its last read
-        of Delta and the next chunk's) and one TMA store: the threads' stores of a wgmma fragment write 4 bytes each (~2.4k cycles
-        for a 64 x 128 tile, docs/kernel-notes.md). A sequence's partial last chunk is stored by the threads: a
-        64-row box would write into the next sequence's rows. in_flight: how many of the role's last stores may still
-        be reading sh.delta (those of other columns)."""
+        of Delta and the next chunk's) and one TMA store: the threads' stores of a wgmma fragment write 4 bytes
+        each (~2.4k cycles for a 64 x 128 tile, docs/kernel-notes.md). A sequence's partial last chunk is stored by
+        the threads: a 64-row box would write into the next sequence's rows. in_flight: how many of the role's
+        last stores may still be in flight (those reading other bytes)."""
         stage = sh.delta if stage is None else stage
         if length == _C:
             T.tma_store_wait(in_flight)  # the role's earlier stores have read these bytes (the issuer waits, then all)
