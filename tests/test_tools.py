@@ -114,3 +114,36 @@ def test_walk_timeline_takes_each_segment_to_the_next_event_and_the_last_to_the_
     lines = format_summary(summary)
     assert lines[0] == "chunk period (state warpgroup, top to top): 100 cycles"
     assert lines[1].startswith("state: top -> tiles 30 (30%)")
+
+
+def test_walk_timeline_spread_finds_the_slow_cta_its_chunk_and_segment_and_counts_warm_up_chunks():
+    import numpy as np
+
+    sys.path.insert(0, str(TOOLS))
+    from walk_timeline import format_spread, spread
+
+    events = {"state": ("top", "tiles", "updated"), "delta": ("top", "own")}
+    ctas, chunks = 4, 8
+    stamps = np.zeros((ctas, 2, chunks, 3), dtype=np.int64)
+    for cta in range(ctas):
+        clock = 1000
+        for c in range(chunks):
+            wait = 930 if (cta, c) == (2, 5) else 30  # CTA 2 waits 900 cycles longer for its tiles in chunk 5
+            stamps[cta, 0, c, :3] = clock + np.array([0, wait, wait + 60])
+            stamps[cta, 1, c, 0] = clock + 1
+            if c >= cta:  # CTA i's first i chunks are its warm-up
+                stamps[cta, 1, c, 1] = clock + 2
+            clock += wait + 70
+    stamps[3, :, 6:] = 0  # a CTA that walked 6 chunks
+    result = spread(stamps, events, own=("delta", "own"))
+    assert result["chunks"] == [6, 8.0, 8]
+    assert result["warm_up_chunks"] == [0, 1.5, 3]
+    assert result["period_percentiles"]["50"] == 100
+    assert result["median_period_by_chunk"] == [100] * 7
+    slowest = result["slowest"][0]
+    assert (slowest["cta"], slowest["chunk"], slowest["period"]) == (2, 5, 1000)
+    assert (slowest["segment"], slowest["segment_cycles"]) == ("top -> tiles", 930)
+    assert result["span"][2] == 7 * 100 + 900
+    lines = format_spread(result)
+    assert lines[2].startswith("chunk period percentiles: 5% 100")
+    assert lines[-4].startswith("slow CTA 2 (8 chunks): 1000 cycles at chunk 5, most in top -> tiles 930")

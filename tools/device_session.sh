@@ -27,6 +27,8 @@
 #   fused-timeline:FORM flashqla/hopper/backward_fused.py, or NAME for .devkit/alt/backward_fused_NAME.py, put in its
 #   fused-tests:FORM    place for the step): --compare backward_fused, tools/walk_timeline.py --backward plain and
 #                       --model on 16/16 x 131072, its GPU tests (JSON in logs.tgz: compare-FORM, timeline-FORM[-model])
+#   fused-spread:FORM   walk_timeline.py --backward --spread (times three runs, per-CTA spread of the periods) on the
+#                       shapes where the fused walk's time is erratic: 2/8 x 32768 and 8/8 x 131072, plain and --model
 #   attention           python -m benchmarks.attention_backends (SDPA's kernels and varlen_attn; ATTENTION_ARGS)
 #   loss-curves         20 steps at 8192 tokens of this tree and of baseline/ (a git archive of an older commit), losses side by side
 #   train-32k           launch/benchmark.sh 0.8B 32768 tilelang (train-32k-compare: tilelang,fla;
@@ -197,7 +199,7 @@ print(first_call_s(implementations([])["ours"], make_inputs(heads, lens)))' "${N
             '"$PYTHON"' tools/walk_timeline.py --heads $1 --lengths $2 --keep $3 '"${WALK_OPTION:+--option $WALK_OPTION}"' || exit 1
         done'
         ;;
-    fused-bench:* | fused-timeline:* | fused-tests:*)
+    fused-bench:* | fused-timeline:* | fused-tests:* | fused-spread:*)
         local form=${1#*:} kernel=flashqla/hopper/backward_fused.py
         [ -f /tmp/backward_fused_main.py ] || cp "$kernel" /tmp/backward_fused_main.py
         if [ "$form" = main ]; then cp /tmp/backward_fused_main.py "$kernel"; else cp ".devkit/alt/backward_fused_$form.py" "$kernel"; fi
@@ -212,6 +214,12 @@ print(first_call_s(implementations([])["ours"], make_inputs(heads, lens)))' "${N
         fused-tests:*)
             step "$1" 200 150 "$PYTHON" -m pytest -m gpu -q -x -rfE -p no:cacheprovider \
                 tests/flashqla/test_hopper_backward_fused.py ;;
+        fused-spread:*)
+            step "$1" 150 40 bash -c 'for shape in "2/8 32768" "8/8 131072"; do for mode in "" --model; do
+                set -- $shape
+                '"$PYTHON"' tools/walk_timeline.py --backward --spread $mode --heads $1 --lengths $2 \
+                    --json "'"$LOGS/spread-$form"'-${1/\//_}-$2${mode:+-model}.json" || exit 1
+            done; done' ;;
         esac
         cp /tmp/backward_fused_main.py "$kernel"
         ;;
@@ -342,7 +350,7 @@ print("max |difference|", max(abs(losses[0][s] - losses[1][s]) for s in losses[0
             launch/benchmark.sh 0.8B 8192 tilelang ${TP2_OVERRIDES:-}
         ;;
     *)
-        echo "unknown part '$1': tests, tests-model, walk-timeline, unverified, candidates, compare, compare-conv, fused-bench:FORM, fused-timeline:FORM, fused-tests:FORM, attention, bench, bench-warm, ncu, ncu-source," \
+        echo "unknown part '$1': tests, tests-model, walk-timeline, unverified, candidates, compare, compare-conv, fused-bench:FORM, fused-timeline:FORM, fused-tests:FORM, fused-spread:FORM, attention, bench, bench-warm, ncu, ncu-source," \
             "train-8k, train-32k, train-32k-compare, train-32k-compare-recompute, train-128k-compare, train-128k-tilelang, train-128k-fla, train-256k, train-384k, train-512k, train-2b, train," \
             "idle, timing-cost, checkpoint-layers, keep-levels, model-bench, model-bench-ab, model-vs-hf," \
             "tp2, tp2-8k" >&2

@@ -2,7 +2,7 @@
 the SM's clock (needs an SM90 GPU).
 
     python tools/walk_timeline.py [--heads 16/64] [--lengths 32768] [--keep everything|nothing]
-                                  [--skip 4] [--option NAME] [--json PATH] [--backward [--model]]
+                                  [--skip 4] [--option NAME] [--json PATH] [--backward [--model]] [--spread]
 
 Runs flashqla/hopper/fused_forward.py's walk once with `record_timeline` (each role's first thread
 reads clock64 at the TIMELINE_EVENTS of its loop, for the first TIMELINE_CHUNKS chunks of every CTA)
@@ -47,6 +47,61 @@ def summarize(stamps: np.ndarray, events: dict[str, tuple[str, ...]], skip: int)
     return summary
 
 
+def spread(stamps: np.ndarray, events: dict[str, tuple[str, ...]], own: tuple[str, str] | None = None) -> dict:
+    """How chunk periods spread over CTAs and chunks (where the median of `summarize` hides a slow CTA or chunk),
+    from the same stamps: per CTA the chunks recorded and its cycles from the first chunk's top to the last's,
+    percentiles of every chunk period, the median period by chunk index, and the four CTAs with the longest
+    period, with the first role's longest segment in that chunk. own: (role, event) stamped only in a CTA's own
+    chunks (the fused walk's warm-up chunks skip it): warm-up chunks are counted."""
+    first_events = next(iter(events.values()))
+    tops = stamps[:, 0, :, 0].astype(np.float64)
+    walked = tops != 0
+    chunks = walked.sum(1)
+    span = np.array([tops[i, n - 1] - tops[i, 0] if n else 0.0 for i, n in enumerate(chunks)])
+    periods = np.where(walked[:, 1:] & walked[:, :-1], tops[:, 1:] - tops[:, :-1], np.nan)
+    result = {"chunks": [int(chunks.min()), float(np.median(chunks)), int(chunks.max())],
+              "span": [float(span.min()), float(np.median(span)), float(span.max())]}
+    if own is not None:
+        role, event = own
+        owned = stamps[:, list(events).index(role), :, events[role].index(event)] != 0
+        warm = (walked & ~owned).sum(1)
+        result["warm_up_chunks"] = [int(warm.min()), float(np.median(warm)), int(warm.max())]
+    if np.isnan(periods).all():
+        return result
+    result["period_percentiles"] = dict(zip(("5", "25", "50", "75", "95", "99"),
+                                            np.nanpercentile(periods, [5, 25, 50, 75, 95, 99]).tolist()))
+    by_index = [float(np.nanmedian(column)) for column in periods.T if not np.isnan(column).all()]
+    result["median_period_by_chunk"] = by_index
+    longest = np.nan_to_num(np.nanmax(np.where(np.isnan(periods), -np.inf, periods), axis=1), neginf=0)
+    slowest = []
+    for cta in np.argsort(-longest)[:4]:
+        chunk = int(np.nanargmax(np.where(np.isnan(periods[cta]), -np.inf, periods[cta])))
+        segments = np.diff(stamps[cta, 0, chunk, :len(first_events)].astype(np.float64))
+        worst = int(np.argmax(segments))
+        slowest.append({"cta": int(cta), "chunks": int(chunks[cta]), "chunk": chunk, "period": float(longest[cta]),
+                        "segment": f"{first_events[worst]} -> {first_events[worst + 1]}",
+                        "segment_cycles": float(segments[worst])})
+    result["slowest"] = slowest
+    return result
+
+
+def format_spread(result: dict) -> list[str]:
+    def triple(name):
+        low, middle, high = result[name]
+        return f"min {low:.0f} median {middle:.0f} max {high:.0f}"
+
+    lines = [f"chunks a CTA: {triple('chunks')}; first to last top: {triple('span')} cycles"]
+    if "warm_up_chunks" in result:
+        lines.append(f"warm-up chunks a CTA: {triple('warm_up_chunks')}")
+    if "period_percentiles" in result:
+        lines.append("chunk period percentiles: " + ", ".join(f"{p}% {v:.0f}"
+                                                               for p, v in result["period_percentiles"].items()))
+        lines.append("median period by chunk: " + " ".join(f"{v:.0f}" for v in result["median_period_by_chunk"]))
+        lines += [f"slow CTA {s['cta']} ({s['chunks']} chunks): {s['period']:.0f} cycles at chunk {s['chunk']}, "
+                  f"most in {s['segment']} {s['segment_cycles']:.0f}" for s in result["slowest"]]
+    return lines
+
+
 def format_summary(summary: dict) -> list[str]:
     period = summary["period"]
     lines = [f"chunk period (state warpgroup, top to top): {period:.0f} cycles"]
@@ -70,6 +125,9 @@ def main(argv=None) -> None:
     parser.add_argument("--backward", action="store_true",
                         help="the fused reverse walk (flashqla/hopper/backward_fused.py) instead of the forward's")
     parser.add_argument("--model", action="store_true", help="with --backward: the op as the model calls it (L2 norm)")
+    parser.add_argument("--spread", action="store_true",
+                        help="also how chunk periods spread over CTAs and chunks (the slowest CTAs); with --backward "
+                             "the fused walk timed three times beside the two kernels, in this process")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     if args.backward:
@@ -95,10 +153,10 @@ def main(argv=None) -> None:
                       f"{stamps.shape[0]} CTAs" + "".join(f", {name}" for name in args.option), args)
 
 
-def record_and_report(run, stamps, same_outputs, events, header: str, args) -> None:
+def record_and_report(run, stamps, same_outputs, events, header: str, args, own: tuple[str, str] | None = None):
     """Runs the walk plainly and recording into stamps (a first recording run compiles its kernel), raises where
     same_outputs(plain, recorded) says the recording changed the outputs, then prints (and with --json writes) the
-    summary of the stamps."""
+    summary of the stamps, and with --spread how periods spread over CTAs and chunks (own: as `spread`'s)."""
     import torch
 
     plain = run()
@@ -111,6 +169,9 @@ def record_and_report(run, stamps, same_outputs, events, header: str, args) -> N
     summary = summarize(stamps.cpu().numpy(), events, args.skip)
     print(header)
     print("\n".join(format_summary(summary)))
+    if args.spread:
+        summary["spread"] = spread(stamps.cpu().numpy(), events, own)
+        print("\n".join(format_spread(summary["spread"])))
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1))
 
@@ -130,10 +191,18 @@ def backward_timeline(args) -> None:
     bounds = [0, *itertools.accumulate(seq_lens)]
     pieces = plan_pieces(torch.tensor(bounds, device="cuda"), heads[1], 1, device_sm_count("cuda"), host_bounds=bounds)
     stamps = torch.zeros(timeline_shape(pieces.shape[0], heads[1]), dtype=torch.int64, device="cuda")
+    times = ""
+    if args.spread:  # does the fused walk's time move between runs of one process?
+        from triton.testing import do_bench
+
+        run(True)
+        fused = [do_bench(lambda: run(True), warmup=10, rep=30, return_mode="median") for _ in range(3)]
+        two = do_bench(lambda: run(False), warmup=10, rep=30, return_mode="median")
+        times = f"; fused {', '.join(f'{t:.3f}' for t in fused)} ms, two kernels {two:.3f} ms"
     record_and_report(lambda timeline=None: run(True, timeline), stamps,
                       lambda plain, recorded: all(torch.equal(a, b) for a, b in zip(plain, recorded)), TIMELINE_EVENTS,
                       f"backward {args.heads} x {args.lengths}{' (the model)' if args.model else ''}, "
-                      f"{stamps.shape[0]} CTAs", args)
+                      f"{stamps.shape[0]} CTAs{times}", args, own=("delta", "delta"))
 
 
 if __name__ == "__main__":
