@@ -56,8 +56,8 @@ _REGISTERS = (160, 168, 152, 32)
 TIMELINE_EVENTS = {
     "state": ("top", "ds_free", "ds_handed", "cc_ready", "colsums", "tiles", "dog_made", "q_dog", "rows_ready",
               "epilogue", "du_ready", "k_du"),
-    "delta": ("top", "tiles", "delta", "delta_handed", "pm_do", "ds_ready", "dd_handed", "dw", "du_handed", "dk_state",
-              "vg_stored", "dpm_ready", "dq", "vg_handed", "zq", "x_ready", "qk_released", "dk_stored"),
+    "delta": ("top", "tiles", "products", "delta", "delta_handed", "pm_do", "ds_ready", "dd_handed", "dw", "du_handed",
+              "dk_state", "vg_stored", "dpm_ready", "dq", "vg_handed", "zq", "x_ready", "qk_released", "dk_stored"),
     "products": ("top", "tiles", "products", "delta_ready", "dp", "z_handed", "dd_ready", "dab",
                  "dd_read", "cc_handed", "t1_dl", "dpm_read", "y_handed"),
     "loads": ("qk_free", "issued"),
@@ -286,15 +286,17 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
             stamp(cta, "delta", c, "top")
             T.barrier_wait(sh.qk_full[0], c % 2)
             T.barrier_wait(sh.vs_full[0], c % 2)
-            T.barrier_wait(sh.prod_ready[0], c % 2)
             stamp(cta, "delta", c, "tiles")
-            if own:  # U = K S0, W = V - D U in v's buffer, Delta = Ab W
+            if own:  # U = K S0, W = V - D U in v's buffer while the products role makes Ab; Delta = Ab W
                 T.gemm(sh.k, sh.s0, acc, clear_accum=True)
                 # read whole, then written: an element-wise update in place gets a barrier per element
                 for t, d in T.Parallel(_C, V):
                     acc[t, d] = T.cast(sh.w[t, d], f32) - times_rstd(sh.dec[t], rk(sh), t) * acc[t, d]
                 T.copy(acc, sh.w)
                 T.fence_proxy_async()
+            T.barrier_wait(sh.prod_ready[0], c % 2)
+            stamp(cta, "delta", c, "products")
+            if own:
                 T.gemm(sh.ab, sh.w, acc, clear_accum=True)
                 stamp(cta, "delta", c, "delta")
             if c > 0:
