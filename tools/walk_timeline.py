@@ -182,14 +182,15 @@ def backward_timeline(args) -> None:
     import torch
 
     from flashqla.bench import kept_backward_on
+    from flashqla.hopper.backward import fused_walk_pieces
     from flashqla.hopper.backward_fused import TIMELINE_EVENTS, timeline_shape
-    from flashqla.hopper.chunk_plan import device_sm_count, plan_pieces
+    from flashqla.hopper.chunk_plan import device_sm_count
 
     heads = tuple(int(h) for h in args.heads.split("/"))
     seq_lens = [int(n) for n in args.lengths.split(",")]
     run = kept_backward_on(heads, seq_lens, like_the_model=args.model)
     bounds = [0, *itertools.accumulate(seq_lens)]
-    pieces = plan_pieces(torch.tensor(bounds, device="cuda"), heads[1], 1, device_sm_count("cuda"), host_bounds=bounds)
+    pieces = fused_walk_pieces(torch.tensor(bounds, device="cuda"), heads[1], device_sm_count("cuda"), bounds)
     stamps = torch.zeros(timeline_shape(pieces.shape[0], heads[1]), dtype=torch.int64, device="cuda")
     times = ""
     if args.spread:  # does the fused walk's time move between runs of one process?

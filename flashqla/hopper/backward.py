@@ -18,7 +18,7 @@ import torch
 from flashqla.hopper.backward_chunk_grads import chunk_gradients
 from flashqla.hopper.backward_fused import fused_backward_grads
 from flashqla.hopper.backward_state_grads import state_gradients
-from flashqla.hopper.chunk_plan import device_sm_count, flat_cu_seqlens, plan_forward, plan_pieces, value_block_size
+from flashqla.hopper.chunk_plan import device_sm_count, flat_cu_seqlens, plan_forward, value_block_size
 from flashqla.hopper.common import DEFAULT_LOG_DECAY_THRESHOLD, HEAD_DIM, unsupported_inputs
 from flashqla.hopper.forward import KeptForward, forward, walk_chunks
 from flashqla.hopper.fused_forward import MAX_VALUE_BLOCK as FORWARD_MAX_VALUE_BLOCK
@@ -53,7 +53,7 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seq
     Function saves them so).
     fused_reverse: steps 2 and 3 in one reverse walk (backward_fused.py; a candidate the public op does not
     reach: tests/flashqla/test_hopper_backward_fused.py and bench --compare backward_fused run it); timeline: its
-    clock stamps (backward_fused.timeline_shape for plan_pieces(cu_seqlens, Hv, 1, SMs); tools/walk_timeline.py).
+    clock stamps (backward_fused.timeline_shape for fused_walk_pieces' rows; tools/walk_timeline.py).
     """
     reason = unsupported_inputs(q, v)
     if reason is not None:
@@ -113,7 +113,7 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seq
         dht = torch.zeros(num_sequences, num_v_heads, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=device)
     dht = dht.to(torch.float32).contiguous()
     if fused_reverse:
-        pieces = plan_pieces(cu_seqlens, num_v_heads, 1, sm_count, host_bounds=cu_seqlens_host)
+        pieces = fused_walk_pieces(cu_seqlens, num_v_heads, sm_count, cu_seqlens_host)
         walk_end = walk_bounds(gamma, pieces, cu_seqlens, ahead=True, log_decay_threshold=log_decay_threshold)
         dq_head, dk_head, dv, dg, dbeta, dh0 = fused_backward_grads(
             q_flat, k_flat, v_flat, gamma, beta_flat, inverse, states, do_flat, dht, scale, cu_seqlens, offsets,
@@ -160,6 +160,13 @@ def sum_over_groups(head_grads: torch.Tensor, num_qk_heads: int, dtype: torch.dt
         return head_grads
     sum_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
     return head_grads.view(num_tokens, num_qk_heads, num_v_heads // num_qk_heads, width).sum(2, dtype=sum_dtype)
+
+
+def fused_walk_pieces(cu_seqlens, num_v_heads: int, sm_count: int, cu_seqlens_host: list[int]) -> torch.Tensor:
+    """The fused reverse walk's pieces (one CTA per piece and value head, all V columns): the forward walk's, from
+    plan_forward's cache, so a call copies nothing to the device (a host->device copy waits for the GPU)."""
+    return plan_forward(cu_seqlens, num_v_heads, HEAD_DIM, sm_count, FORWARD_MAX_VALUE_BLOCK,
+                        host_bounds=cu_seqlens_host).pieces
 
 
 def state_gradient_walk(plan, gamma, cu_seqlens, cu_seqlens_host: list[int], num_v_heads: int, sm_count: int,

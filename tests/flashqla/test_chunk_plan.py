@@ -256,3 +256,15 @@ def test_empty_sequences_do_not_stop_a_long_one_from_being_cut():
     rows = plan.pieces.tolist()
     assert sum(1 for seq, *_ in rows if seq == 0) > 1
     assert [r[0] for r in rows if r[3] == 1] == list(range(17))
+
+
+def test_fused_walk_pieces_come_from_the_cached_forward_plan():
+    from flashqla.hopper.backward import fused_walk_pieces
+
+    bounds = [0, 32768, 40000, 40001]
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    pieces = fused_walk_pieces(cu, 8, 132, bounds)
+    # the same rows as a plan of 8 heads x one V block (all 128 columns a CTA) ...
+    assert pieces.tolist() == plan_pieces(cu, 8, 1, 132, host_bounds=bounds).tolist()
+    # ... and the same tensor on the next call: nothing is copied to the device again
+    assert fused_walk_pieces(cu, 8, 132, bounds) is pieces
