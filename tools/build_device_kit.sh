@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # Build .devkit/ from nothing on the CPU machine: what a new checkout needs before its first device call.
 #   tools/build_device_kit.sh            # 17 min on 2 cores; prints the carry's size at the end
+#   KERNELS_ONLY=1 tools/build_device_kit.sh   # our kernels alone (no training stack, no FLA or FlashQLA cache):
+#                                        # what the kernel comparisons need, ~16 min, ~50 MiB of carry
+# Candidate forms of the fused reverse walk in .devkit/alt/backward_fused_*.py (tools/device_session.sh's
+# fused-*:FORM parts) are compiled into the cache too.
 # 1. the baselines into .venv without their dependencies (fla-core needs Triton to import, which the
 #    CPU machine lacks; the precompile reads only its TileLang file, and FlashQLA's kernels);
 # 2. the device's missing packages (../shared/device/make_kit.py; omegaconf pinned for hydra-core 1.3.8);
@@ -16,17 +20,28 @@ WORK=${WORK:-/tmp/device_kit}
 rm -rf "$WORK" && mkdir -p "$WORK" .devkit
 
 .venv/bin/pip install -q --no-deps flash-qla==0.1.3 fla-core==0.6.0
-"$PY" ../shared/device/make_kit.py tilelang==0.1.15 fla-core==0.6.0 flash-qla==0.1.3 \
-    hydra-core==1.3.8 omegaconf==2.3.1 deepspeed==0.19.8 > "$WORK/kit.log" 2>&1 &
+KERNELS_ONLY=${KERNELS_ONLY:-0}
+training=(hydra-core==1.3.8 omegaconf==2.3.1 deepspeed==0.19.8)
+[ "$KERNELS_ONLY" = 1 ] && training=()
+"$PY" ../shared/device/make_kit.py tilelang==0.1.15 fla-core==0.6.0 flash-qla==0.1.3 "${training[@]}" \
+    > "$WORK/kit.log" 2>&1 &
 kit=$!
-TILELANG_CACHE_DIR=$WORK/ours "$PY" tools/precompile_kernels.py --merge '' --skip-flashqla \
-    --out "$WORK/ours.tgz" > "$WORK/ours.log" 2>&1 &
+forms=$(ls .devkit/alt/backward_fused_*.py 2>/dev/null | paste -sd, || true)
+skip_fla=()
+[ "$KERNELS_ONLY" = 1 ] && skip_fla=(--skip-fla)
+TILELANG_CACHE_DIR=$WORK/ours "$PY" tools/precompile_kernels.py --merge '' --skip-flashqla "${skip_fla[@]}" \
+    --fused-forms "$forms" --out "$WORK/ours.tgz" > "$WORK/ours.log" 2>&1 &
 ours=$!
-TILELANG_CACHE_DIR=$WORK/flashqla "$PY" tools/precompile_kernels.py --merge '' --skip-ours --skip-fla \
-    --out "$WORK/flashqla.tgz" > "$WORK/flashqla.log" 2>&1 &
-flashqla=$!
+jobs_=("kit $kit" "ours $ours")
+parts=$WORK/ours.tgz
+if [ "$KERNELS_ONLY" != 1 ]; then
+    TILELANG_CACHE_DIR=$WORK/flashqla "$PY" tools/precompile_kernels.py --merge '' --skip-ours --skip-fla \
+        --out "$WORK/flashqla.tgz" > "$WORK/flashqla.log" 2>&1 &
+    jobs_+=("flashqla $!")
+    parts=$parts,$WORK/flashqla.tgz
+fi
 failed=0
-for job in "kit $kit" "ours $ours" "flashqla $flashqla"; do
+for job in "${jobs_[@]}"; do
     set -- $job
     wait "$2" || { echo "build_device_kit.sh: $1 failed, see $WORK/$1.log" >&2; failed=1; }
 done
@@ -34,7 +49,7 @@ done
 
 # nothing left to compile: precompile_kernels.py only unpacks both parts and packs them as one
 TILELANG_CACHE_DIR=$WORK/merged "$PY" tools/precompile_kernels.py --sets '' --skip-ours --skip-fla --skip-flashqla \
-    --merge "$WORK/ours.tgz,$WORK/flashqla.tgz" --out .devkit/tlcache.tgz > "$WORK/merge.log" 2>&1
+    --merge "$parts" --out .devkit/tlcache.tgz > "$WORK/merge.log" 2>&1
 rm -f .devkit/tritoncache.tgz
 echo "TileLang cache: $(ls "$WORK/merged"/*/*/kernels | wc -l) entries"
 tree=$(git ls-files -z --cached --others --exclude-standard | xargs -0 du -cb | tail -1 | cut -f1)

@@ -1,7 +1,7 @@
 """Compile the TileLang kernels the device bench and tests need, here, without a GPU.
 
     python tools/precompile_kernels.py [--out .devkit/tlcache.tgz] [--shapes SUBSTR,...] [--skip-flashqla]
-                                       [--skip-ours] [--skip-fla]
+                                       [--skip-ours] [--skip-fla] [--fused-forms FILE,...]
 
 TileLang keys its disk cache on the kernel's TIR, its arguments, the target string, the
 TileLang version and the machine type (x86_64), nothing of the GPU itself. Our kernels name
@@ -192,6 +192,27 @@ def compile_walks() -> None:
     print(f"ours, walks: {time.time() - started:.0f} s", flush=True)
 
 
+def compile_fused_backward_forms(paths: list[str]) -> None:
+    """The fused reverse walk (flashqla/hopper/backward_fused.py, one kernel a variant: run-time shapes) in the four
+    variants its bench, tests and timelines run (plain, the L2 norm, each also recording its timeline), from the
+    tree's file and from each candidate form's file in paths (tools/device_session.sh's fused-*:FORM parts put
+    .devkit/alt/backward_fused_FORM.py in the tree's place; the cache keys do not depend on the file's path)."""
+    import importlib
+    import importlib.util
+
+    modules = [importlib.import_module("flashqla.hopper.backward_fused")]
+    for index, path in enumerate(paths):
+        spec = importlib.util.spec_from_file_location(f"fused_backward_form_{index}", path)
+        modules.append(importlib.util.module_from_spec(spec))
+        spec.loader.exec_module(modules[-1])
+    for name, module in zip(["the tree's", *paths], modules):
+        started = time.time()
+        for normalize_qk in (False, True):
+            for record_timeline in (False, True):
+                module.compile_fused_backward(normalize_qk, record_timeline)
+        print(f"fused backward, {name}: {time.time() - started:.0f} s", flush=True)
+
+
 def compile_checks() -> None:
     """One representative specialisation of every kernel of ours (flashqla/hopper/compile_check.py,
     what CI compiles)."""
@@ -258,6 +279,9 @@ def main(argv=None) -> None:
                              "head layouts for ours and FLA, and flashqla.bench --model's shapes for FlashQLA; tests: the GPU tests' grid and compile checks for ours; "
                              "hard: the hard-input GPU tests' cases; compare: what `flashqla.bench --compare` adds to the bench's")
     parser.add_argument("--shapes", default="", help="comma-separated substrings of flashqla.bench shape names")
+    parser.add_argument("--fused-forms", default="",
+                        help="comma-separated files of candidate forms of flashqla/hopper/backward_fused.py to compile "
+                             "too (e.g. .devkit/alt/backward_fused_prev.py); the tree's own is in the tests set")
     parser.add_argument("--skip-flashqla", action="store_true")
     parser.add_argument("--skip-ours", action="store_true")
     parser.add_argument("--skip-fla", action="store_true")
@@ -295,6 +319,7 @@ def main(argv=None) -> None:
             compile_ours([("1/16 4096", (1, 16), [4096])])
             compile_checks()
             compile_walks()
+            compile_fused_backward_forms([])
             from flashqla.hopper.causal_conv import compile_conv_backward, compile_conv_forward
             from flashqla.hopper.l2norm import compile_l2norm_backward, compile_l2norm_forward
 
@@ -315,6 +340,9 @@ def main(argv=None) -> None:
 
             for block_tokens in (128, 64):  # bench --compare conv: the backward's shorter token blocks
                 compile_conv_backward("bfloat16", 4, 4, block_tokens)
+    forms = [path for path in args.fused_forms.split(",") if path]
+    if forms:
+        compile_fused_backward_forms(forms)
     if not args.skip_fla:
         compile_fla_tilelang(sorted({heads for _, heads, _ in shapes + model_shapes}))
     if not args.skip_flashqla:
