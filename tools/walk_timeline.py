@@ -72,10 +72,11 @@ def spread(stamps: np.ndarray, events: dict[str, tuple[str, ...]], own: tuple[st
                                             np.nanpercentile(periods, [5, 25, 50, 75, 95, 99]).tolist()))
     by_index = [float(np.nanmedian(column)) for column in periods.T if not np.isnan(column).all()]
     result["median_period_by_chunk"] = by_index
-    longest = np.nan_to_num(np.nanmax(np.where(np.isnan(periods), -np.inf, periods), axis=1), neginf=0)
+    filled = np.where(np.isnan(periods), -np.inf, periods)
+    longest = np.nan_to_num(filled.max(1), neginf=0)  # 0 for a CTA that walked one chunk
     slowest = []
     for cta in np.argsort(-longest)[:4]:
-        chunk = int(np.nanargmax(np.where(np.isnan(periods[cta]), -np.inf, periods[cta])))
+        chunk = int(filled[cta].argmax())
         segments = np.diff(stamps[cta, 0, chunk, :len(first_events)].astype(np.float64))
         worst = int(np.argmax(segments))
         slowest.append({"cta": int(cta), "chunks": int(chunks[cta]), "chunk": chunk, "period": float(longest[cta]),
@@ -166,11 +167,12 @@ def record_and_report(run, stamps, same_outputs, events, header: str, args, own:
     torch.cuda.synchronize()
     if not same_outputs(plain, recorded):
         raise AssertionError("the recording walk's outputs differ from the walk's")
-    summary = summarize(stamps.cpu().numpy(), events, args.skip)
+    clocks = stamps.cpu().numpy()
+    summary = summarize(clocks, events, args.skip)
     print(header)
     print("\n".join(format_summary(summary)))
     if args.spread:
-        summary["spread"] = spread(stamps.cpu().numpy(), events, own)
+        summary["spread"] = spread(clocks, events, own)
         print("\n".join(format_spread(summary["spread"])))
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1))
@@ -181,7 +183,7 @@ def backward_timeline(args) -> None:
     the state role's (one chunk of the state gradient's chain)."""
     import torch
 
-    from flashqla.bench import kept_backward_on
+    from flashqla.bench import _median_ms, kept_backward_on
     from flashqla.hopper.backward import fused_walk_pieces
     from flashqla.hopper.backward_fused import TIMELINE_EVENTS, timeline_shape
     from flashqla.hopper.chunk_plan import device_sm_count
@@ -194,11 +196,9 @@ def backward_timeline(args) -> None:
     stamps = torch.zeros(timeline_shape(pieces.shape[0], heads[1]), dtype=torch.int64, device="cuda")
     times = ""
     if args.spread:  # does the fused walk's time move between runs of one process?
-        from triton.testing import do_bench
-
         run(True)
-        fused = [do_bench(lambda: run(True), warmup=10, rep=30, return_mode="median") for _ in range(3)]
-        two = do_bench(lambda: run(False), warmup=10, rep=30, return_mode="median")
+        fused = [_median_ms(lambda: run(True), 30) for _ in range(3)]
+        two = _median_ms(lambda: run(False), 30)
         times = f"; fused {', '.join(f'{t:.3f}' for t in fused)} ms, two kernels {two:.3f} ms"
     record_and_report(lambda timeline=None: run(True, timeline), stamps,
                       lambda plain, recorded: all(torch.equal(a, b) for a, b in zip(plain, recorded)), TIMELINE_EVENTS,
