@@ -96,6 +96,31 @@ def ptxas_resources(kernel) -> dict[str, int]:
     return dict(registers=registers, spill_stores=spill_stores, spill_loads=spill_loads, stack=stack)
 
 
+# the most shared memory a block may have on H100 and H200 (cudaDevAttrMaxSharedMemoryPerBlockOptin)
+SHARED_MEMORY_PER_BLOCK = 227 * 1024
+_STATIC_SHARED = re.compile(r"__shared__ __align__\((\d+)\) (\w+) \w+\[(\d+)\];")
+_ELEMENT_BYTES = {"uint64_t": 8, "float": 4, "int": 4, "bfloat16_t": 2, "half_t": 2}
+
+
+def shared_memory_bytes(program) -> int:
+    """The shared memory a block of `program` (a TileLang prim_func) asks for, lowered without nvcc: its static
+    arrays (mbarriers, scope="shared" buffers), then the dynamic buffer from its own 1024-byte alignment, as large
+    as the launch sets it (the last argument of the lowered host code's kernel call). A device refuses the launch
+    past SHARED_MEMORY_PER_BLOCK ("Failed to set the allowed dynamic shared memory size")."""
+    import tilelang
+    from tvm.target import Target
+
+    from flashqla.hopper.common import TARGET
+
+    with Target(TARGET):
+        artifact = tilelang.lower(program, target=TARGET)
+    (dynamic,) = map(int, re.findall(r"T\.call_packed\(\"\w+_kernel\".*, (\d+)\)", artifact.host_mod.script()))
+    static = 0
+    for alignment, element, count in _STATIC_SHARED.findall(artifact.kernel_source):
+        static = -(-static // int(alignment)) * int(alignment) + _ELEMENT_BYTES[element] * int(count)
+    return -(-static // 1024) * 1024 + dynamic
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dump", type=Path, default=None, help="write NAME.cu and NAME.tir of every kernel here")
