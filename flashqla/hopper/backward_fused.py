@@ -17,16 +17,13 @@ One CTA per (piece, value head), all 128 V columns, 512 threads in four roles th
 - products (warpgroup 2): Pm and Ab from Q K^T, A~ and one Gm for the others; the C x C half of
   the gradients (dP, dAb, dA~, T1, dL, dPm, X), the row sums of dg and dbeta, and the C x C tiles whose column
   sums they need, in float32 in the bytes of dDelta and W (both read by then);
-- loads (warpgroup 3): one warp each for q, k with gamma, beta, the decays and r; A~; v and S0; dO.
+- loads (warpgroup 3): one warp each for q/k with gamma, beta, the decays and r; A~; v and S0; dO.
 
-Chunks are walked in lock-step: every shared buffer but k is single (227 KB hold one chunk's worth and a
-second k), each refilled or rewritten once all its readers released it; every barrier completes once a chunk
-(k's two stages' barriers once every two), is arrived for chunk c only after its arrivers waited on what its
-waiters release after chunk c - 1 (c - 2 for k's), and is waited on in every chunk (warm-up chunks skip the
-work, not the barriers), so none can run two phases ahead of a waiter. The next chunk's q loads once the three
-roles' last reads of q are done (the delta role's Z^T Q) and its k into k's other stage, so neither waits for
-the delta role's Y K, Y^T K, the end of the chunk's loop through k; the scalars (gamma, beta, the decays, r)
-stay single, written when the chunk's k is released.
+Chunks are walked in lock-step: every shared buffer is single (227 KB hold one chunk's worth), each
+refilled or rewritten once all its readers released it; every barrier completes once a chunk, is
+arrived for chunk c only after its arrivers waited on what its waiters release after chunk c - 1, and
+is waited on in every chunk (warm-up chunks skip the work, not the barriers), so none can run two
+phases ahead of a waiter.
 
 With the L2 norm (q^ = diag(r_q) q, k^ = diag(r_k) k, r per row) dq and dk are accumulated as r_q dq and r_k dk
 and divided once at the end: then one tile Z = diag(r_q) dPm diag(r_k) serves both dq (Z K) and dk (Z^T Q), and
@@ -63,61 +60,13 @@ TIMELINE_EVENTS = {
               "dk_state", "vg_stored", "dpm_ready", "dq", "vg_handed", "zq", "x_ready", "qk_released", "dk_stored"),
     "products": ("top", "tiles", "products", "delta_ready", "dp", "z_handed", "dd_ready", "dab",
                  "dd_read", "cc_handed", "t1_dl", "dpm_read", "y_handed"),
-    "loads": ("k_free", "q_free", "scalars_free"),
+    "loads": ("qk_free", "issued"),
 }
 TIMELINE_CHUNKS = 64
 _TIMELINE_SLOTS = max(len(events) for events in TIMELINE_EVENTS.values())
 # a named barrier of the delta role's own (TileLang numbers its per-role barriers from 3 up, one each)
 _DELTA_BARRIER = 12
 _ROLE_LEADERS = {"state": 0, "delta": WARPGROUP, "products": 2 * WARPGROUP, "loads": 3 * WARPGROUP}
-
-
-
-
-class _Stage:
-    """Stage b of a shared array staged along its first axis, indexed like one stage ([t, d], slices), so a
-    chunk's code reads its own stage without naming it; .tile: the whole stage, for gemms and copies."""
-
-    def __init__(self, buffer, b):
-        self.buffer, self.b = buffer, b
-
-    def __getitem__(self, index):
-        return self.buffer[(self.b,) + (index if isinstance(index, tuple) else (index,))]
-
-    @property
-    def tile(self):
-        return self.buffer[(self.b,) + tuple(slice(0, n) for n in self.buffer.shape[1:])]
-
-
-def staged(sh, c):
-    """sh with k replaced by chunk c's stage (c % 2)."""
-    return SimpleNamespace(**{**vars(sh), "k": _Stage(sh.k, c % 2)})
-
-
-class _Barriers:
-    """mbarriers [first, first + n) of a barrier array, indexed from 0 like an array of their own."""
-
-    def __init__(self, array, first):
-        self.array, self.first = array, first
-
-    def __getitem__(self, index):
-        return self.array[self.first + index]
-
-
-def barrier_arrays(**counts):
-    """{name: _Barriers} from {name: [arrive count of each]}, one array an arrive count: each array of its own
-    takes 16 bytes (8 in one), and shared memory has no 200 bytes to spare."""
-    by_count = {}
-    for name, arrivals in counts.items():
-        for arrival in arrivals:
-            by_count.setdefault(arrival, []).append(name)
-    arrays = {arrival: T.alloc_barrier(arrive_count=[arrival] * len(names)) for arrival, names in by_count.items()}
-    barriers, taken = {}, {arrival: 0 for arrival in by_count}
-    for name, arrivals in counts.items():
-        (arrival,) = set(arrivals)
-        barriers[name] = _Barriers(arrays[arrival], taken[arrival])
-        taken[arrival] += len(arrivals)
-    return barriers
 
 
 def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = False):
@@ -241,7 +190,6 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
         else:  # truncated: what comes after the warm-up is below e^threshold
             T.clear(ds)
         for c in T.serial(cta.n_chunks):
-            stage = staged(sh, c)
             stamp(cta, "state", c, "top")
             if c > 0:
                 T.barrier_wait(sh.ds_free[0], (c - 1) % 2)
@@ -252,10 +200,10 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
             stamp(cta, "state", c, "ds_handed")
             if c > 0:  # the chunk before's dg and dbeta begin while this chunk's q, k load
                 column_sums(sh, cta, c - 1, c - 1 >= cta.n_warm, lane, col)
-            T.barrier_wait(sh.k_full[c % 2], c // 2 % 2)
+            T.barrier_wait(sh.qk_full[0], c % 2)
             stamp(cta, "state", c, "tiles")
             decay_before = chunk_decay
-            chunk_decay = stage.dec[_C - 1]
+            chunk_decay = sh.dec[_C - 1]
             for i, j in T.Parallel(K, V):
                 ds[i, j] = ds[i, j] * chunk_decay
             # dOg = scale D r_q dO (rows past the end zero), in dU's buffer once dU of the chunk before is read
@@ -265,14 +213,11 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
             for t, d in T.Parallel(_C, V):
                 sh.du[t, d] = T.if_then_else(
                     t < cta.eos - cta.start_of(c),
-                    T.cast(times_rstd(cta.scale * stage.dec[t], rq(stage), t) * T.cast(sh.do[t, d], f32), op),
-                    T.cast(0, op))
+                    T.cast(times_rstd(cta.scale * sh.dec[t], rq(sh), t) * T.cast(sh.do[t, d], f32), op), T.cast(0, op))
             T.fence_proxy_async()
             T.barrier_arrive(sh.do_free[0])
             stamp(cta, "state", c, "dog_made")
-            T.barrier_wait(sh.q_full[0], c % 2)
             T.gemm(sh.q, sh.du, ds, transpose_A=True)
-            T.barrier_arrive(sh.q_free[0])
             stamp(cta, "state", c, "q_dog")
             T.barrier_arrive(sh.dog_free[0])
             if c > 0:
@@ -282,10 +227,10 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
                 state_dot(sh, lane)
             T.barrier_wait(sh.du_ready[0], c % 2)
             stamp(cta, "state", c, "du_ready")
-            T.gemm(stage.k.tile, sh.du, ds, transpose_A=True)
+            T.gemm(sh.k, sh.du, ds, transpose_A=True)
             stamp(cta, "state", c, "k_du")
             T.barrier_arrive(sh.du_free[0])
-            T.barrier_arrive(sh.k_free[c % 2])
+            T.barrier_arrive(sh.qk_free[0])
         if cta.n_chunks > cta.n_warm:  # the last chunk is the piece's
             column_sums(sh, cta, cta.n_chunks - 1, True, lane, col)
             chunk_epilogue(sh, cta, cta.n_chunks - 1, True, lane, col, chunk_decay, dg, dbeta)
@@ -339,11 +284,11 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
             start = cta.start_of(c)
             length = T.min(cta.eos - start, _C)
             stamp(cta, "delta", c, "top")
-            T.barrier_wait(sh.k_full[c % 2], c // 2 % 2)
+            T.barrier_wait(sh.qk_full[0], c % 2)
             T.barrier_wait(sh.vs_full[0], c % 2)
             stamp(cta, "delta", c, "tiles")
             if own:  # U = K S0, W = V - D U in v's buffer while the products role makes Ab; Delta = Ab W
-                T.gemm(sh.k.tile, sh.s0, acc, clear_accum=True)
+                T.gemm(sh.k, sh.s0, acc, clear_accum=True)
                 # read whole, then written: an element-wise update in place gets a barrier per element
                 for t, d in T.Parallel(_C, V):
                     acc[t, d] = T.cast(sh.w[t, d], f32) - times_rstd(sh.dec[t], rk(sh), t) * acc[t, d]
@@ -369,7 +314,7 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
             stamp(cta, "delta", c, "pm_do")
             T.barrier_wait(sh.ds_ready[0], c % 2)
             stamp(cta, "delta", c, "ds_ready")
-            T.gemm(sh.k.tile, sh.ds, acc, clear_accum=True)
+            T.gemm(sh.k, sh.ds, acc, clear_accum=True)
             for t, d in T.Parallel(_C, V):
                 acc[t, d] = acc[t, d] * times_rstd(sh.rdec[t], rk(sh), t) + pm_do[t, d]
             if c > 0:
@@ -423,7 +368,6 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
             stamp(cta, "delta", c, "vg_stored")
             T.barrier_wait(sh.dpm_ready[0], c % 2)
             stamp(cta, "delta", c, "dpm_ready")
-            T.barrier_wait(sh.q_full[0], c % 2)
             # dq = scale D dO S0^T + dPm K^ as r_q dq = r_q scale D dO S0^T + Z K (module docstring), in two halves
             # of its columns beside dk; dgamma gains rowsum(the first term . Q^)
             if own:
@@ -441,7 +385,6 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
             if own:
                 T.gemm(sh.cols, sh.q, dk, transpose_A=True)
             T.barrier_arrive(sh.dpm_read[0])
-            T.barrier_arrive(sh.q_free[0])  # the next chunk's q loads while this one's Y is made
             stamp(cta, "delta", c, "zq")
             T.barrier_wait(sh.x_ready[0], c % 2)
             stamp(cta, "delta", c, "x_ready")
@@ -449,10 +392,10 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
                 if normalize_qk:  # r_k kept past the release of the chunk's q, k below
                     for t in T.Parallel(_C):
                         rk_rows[t] = sh.k_rstd[t]
-                T.gemm(sh.cols, sh.k.tile, dk)
-                T.gemm(sh.cols, sh.k.tile, dk, transpose_A=True)
+                T.gemm(sh.cols, sh.k, dk)
+                T.gemm(sh.cols, sh.k, dk, transpose_A=True)
             T.barrier_arrive(sh.x_free[0])
-            T.barrier_arrive(sh.k_free[c % 2])
+            T.barrier_arrive(sh.qk_free[0])
             stamp(cta, "delta", c, "qk_released")
             if own:
                 if normalize_qk:
@@ -476,9 +419,9 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
         dq_rows = T.alloc_fragment((_C,), f32)
         args = (dv, dk_head, dq_head, acc, pm_do, dk, rows, row_sum, te, rk_rows, dq, rows_half, dq_rows)
         for c in T.serial(cta.n_warm):
-            delta_chunk(staged(sh, c), cta, c, False, *args)
+            delta_chunk(sh, cta, c, False, *args)
         for c in T.serial(cta.n_chunks - cta.n_warm):
-            delta_chunk(staged(sh, cta.n_warm + c), cta, cta.n_warm + c, True, *args)
+            delta_chunk(sh, cta, cta.n_warm + c, True, *args)
         T.tma_store_wait(0, read=False)  # the last stores are done before the CTA's shared memory goes
 
     @T.macro
@@ -489,13 +432,11 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
             start = cta.start_of(c)
             length = T.min(cta.eos - start, _C)
             stamp(cta, "products", c, "top")
-            T.barrier_wait(sh.k_full[c % 2], c // 2 % 2)
-            T.barrier_wait(sh.q_full[0], c % 2)
+            T.barrier_wait(sh.qk_full[0], c % 2)
             T.barrier_wait(sh.a_full[0], c % 2)
             stamp(cta, "products", c, "tiles")
             # Pm = scale Gm . Q^ K^^T and Ab = (Gm . A~) diag(beta), for the chain
-            T.gemm(sh.q, sh.k.tile, pmf, transpose_B=True, clear_accum=True)
-            T.barrier_arrive(sh.q_free[0])
+            T.gemm(sh.q, sh.k, pmf, transpose_B=True, clear_accum=True)
             for t, s in T.Parallel(_C, _C):
                 gm[t, s] = T.if_then_else((s <= t) & (t < length), T.exp(sh.gam[t] - sh.gam[s]), 0.0)
             for t, s in T.Parallel(_C, _C):
@@ -572,7 +513,7 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
                 T.gemm(sh.pm, sh.a, dab, transpose_B=True, clear_accum=True)
                 for t, s in T.Parallel(_C, _C):
                     dab[t, s] = T.if_then_else(s < t, -dab[t, s], 0.0)
-                T.gemm(sh.k.tile, sh.k.tile, dp, transpose_B=True, clear_accum=True)
+                T.gemm(sh.k, sh.k, dp, transpose_B=True, clear_accum=True)
                 for t, s in T.Parallel(_C, _C):
                     dp[t, s] = times_rstd(times_rstd(dab[t, s] * dp[t, s], rk(sh), t), rk(sh), s)
                 T.reduce_sum(dp, row_sum, dim=1, clear=True)
@@ -588,7 +529,7 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
                     sh.cols[t, s] = T.cast(times_rstd(times_rstd(dab[t, s] * sh.beta[t], rk(sh), t), rk(sh), s), op)
                 T.fence_proxy_async()
             T.barrier_arrive(sh.x_ready[0])
-            T.barrier_arrive(sh.k_free[c % 2])
+            T.barrier_arrive(sh.qk_free[0])
             T.barrier_arrive(sh.rows_ready[0])
             stamp(cta, "products", c, "y_handed")
 
@@ -603,9 +544,9 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
         row_sum_cc = T.alloc_fragment((_C,), f32)
         args = (pmf, gm, dp, dab, row_sum, row_sum_cc)
         for c in T.serial(cta.n_warm):
-            products_chunk(staged(sh, c), cta, c, False, *args)
+            products_chunk(sh, cta, c, False, *args)
         for c in T.serial(cta.n_chunks - cta.n_warm):
-            products_chunk(staged(sh, cta.n_warm + c), cta, cta.n_warm + c, True, *args)
+            products_chunk(sh, cta, cta.n_warm + c, True, *args)
 
     @T.macro
     def load_qk(sh, cta, q, k, gamma, beta, q_rstd, k_rstd):
@@ -631,19 +572,11 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
                     rq_t[h] = q_rstd[T.min(start + t, num_tokens - 1), qk_head]
                     rk_t[h] = k_rstd[T.min(start + t, num_tokens - 1), qk_head]
             gam_last = gamma[start + last, cta.head]
-            b = c % 2
-            if c > 1:
-                T.barrier_wait(sh.k_free[b], (c // 2 + 1) % 2)  # chunk c - 2 released it
-            stamp(cta, "loads", c, "k_free")
-            T.tma_copy(k[start:start + _C, cta.qk_head, 0:K], sh.k[b, 0:_C, 0:K], barrier=sh.k_full[b])
             if c > 0:
-                T.barrier_wait(sh.q_free[0], (c - 1) % 2)
-            stamp(cta, "loads", c, "q_free")
-            T.tma_copy(q[start:start + _C, cta.qk_head, 0:K], sh.q, barrier=sh.q_full[0])
-            T.barrier_arrive(sh.q_full[0])
-            if c > 0:  # the scalars' one stage: the chunk before released it with its k
-                T.barrier_wait(sh.k_free[1 - b], (c - 1) // 2 % 2)
-            stamp(cta, "loads", c, "scalars_free")
+                T.barrier_wait(sh.qk_free[0], (c - 1) % 2)
+                stamp(cta, "loads", c, "qk_free")
+            T.tma_copy(q[start:start + _C, cta.qk_head, 0:K], sh.q, barrier=sh.qk_full[0])
+            T.tma_copy(k[start:start + _C, cta.qk_head, 0:K], sh.k, barrier=sh.qk_full[0])
             for h in T.unroll(2):
                 t = lane + 32 * h
                 sh.gam[t] = gam[h]
@@ -653,7 +586,8 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
                 if normalize_qk:
                     sh.q_rstd[t] = rq_t[h]
                     sh.k_rstd[t] = rk_t[h]
-            T.barrier_arrive(sh.k_full[b])
+            T.barrier_arrive(sh.qk_full[0])
+            stamp(cta, "loads", c, "issued")
 
     @T.macro
     def load_inverse(sh, cta, inverse):
@@ -727,27 +661,9 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
                 start_of=lambda c: top - (c + 1) * _C)
             w = T.alloc_shared((_C, V), op)
             dd = T.alloc_shared((_C, V), op)
-            # The small arrays bound to names of their own (not the kernel's arguments'): TileLang aligns shared
-            # buffers by name, and in the namespace's call (one name for all) a TMA tile's 1024-byte alignment
-            # padded each to 1 KB. The dynamic buffer starts 1 KB in, after the mbarriers (~300 bytes): the
-            # arrays marked static fill the rest of that KB, so the dynamic ones fit the 227 KB a block may have
-            # (test_hopper_compile.py). k's scalars have one stage, written once the chunk before released k.
-            gam_s = T.alloc_shared((_C,), f32)
-            beta_s = T.alloc_shared((_C,), f32)
-            dec_s = T.alloc_shared((_C,), f32)     # e^{gamma_t}
-            rdec_s = T.alloc_shared((_C,), f32)    # e^{gamma_C - gamma_t}, zero past the end
-            q_rstd_s = T.alloc_shared((_C,), f32) if normalize_qk else None
-            k_rstd_s = T.alloc_shared((_C,), f32) if normalize_qk else None
-            dgam_rows_s = T.alloc_shared((_C,), f32, scope="shared")  # static: the products role's row sums for dgamma
-            dgam_v_s = T.alloc_shared((_C,), f32, scope="shared")
-            te_s = T.alloc_shared((_C,), f32)
-            dbeta_rows_s = T.alloc_shared((_C,), f32)
-            dot_part_s = T.alloc_shared((4,), f32, scope="shared")   # <S0, dS1> per warp of the state role
-            suffix_part_s = T.alloc_shared((2,), f32, scope="shared")
-            te_part_s = T.alloc_shared((2,), f32, scope="shared")
             sh = SimpleNamespace(
                 q=T.alloc_shared((_C, K), op),
-                k=T.alloc_shared((2, _C, K), op),     # two stages: the next chunk's k lands while this one's is read
+                k=T.alloc_shared((_C, K), op),
                 w=w,                                  # v by TMA, then W in place
                 do=T.alloc_shared((_C, V), op),
                 a=T.alloc_shared((_C, _C), op),       # A~
@@ -763,18 +679,50 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
                 cc_gam=T.view(w, (_C, _C), f32),
                 du=T.alloc_shared((_C, V), op),       # dOg, then dU
                 cols=T.alloc_shared((_C, _C), op),    # Z (dPm), then Y (X), scaled by r on both sides
-                gam=gam_s, beta=beta_s, dec=dec_s, rdec=rdec_s, q_rstd=q_rstd_s, k_rstd=k_rstd_s,
-                dgam_rows=dgam_rows_s, dgam_v=dgam_v_s, te=te_s, dbeta_rows=dbeta_rows_s, dot_part=dot_part_s,
-                suffix_part=suffix_part_s, te_part=te_part_s,
-                **barrier_arrays(
-                    q_full=[32], q_free=[3 * WARPGROUP], k_full=[32, 32], k_free=[3 * WARPGROUP, 3 * WARPGROUP],
-                    a_full=[32], a_free=[WARPGROUP], vs_full=[32], vs_free=[3 * WARPGROUP], do_full=[32],
-                    do_free=[3 * WARPGROUP], ds_ready=[WARPGROUP], ds_free=[WARPGROUP], prod_ready=[WARPGROUP],
-                    prod_free=[WARPGROUP], dog_free=[WARPGROUP], du_ready=[WARPGROUP], du_free=[2 * WARPGROUP],
-                    delta_ready=[WARPGROUP], delta_free=[WARPGROUP], dd_ready=[WARPGROUP], dd_read=[WARPGROUP],
-                    dab_done=[WARPGROUP], dd_free=[WARPGROUP], dpm_ready=[WARPGROUP], dpm_read=[WARPGROUP],
-                    x_ready=[WARPGROUP], x_free=[WARPGROUP], vg_ready=[WARPGROUP], vg_free=[WARPGROUP],
-                    cc_ready=[WARPGROUP], rows_ready=[WARPGROUP], rows_free=[WARPGROUP], state_sync=[WARPGROUP]),
+                gam=T.alloc_shared((_C,), f32),
+                beta=T.alloc_shared((_C,), f32),
+                dec=T.alloc_shared((_C,), f32),       # e^{gamma_t}
+                rdec=T.alloc_shared((_C,), f32),      # e^{gamma_C - gamma_t}, zero past the end
+                q_rstd=T.alloc_shared((_C,), f32) if normalize_qk else None,
+                k_rstd=T.alloc_shared((_C,), f32) if normalize_qk else None,
+                dgam_rows=T.alloc_shared((_C,), f32),  # the products role's row sums for dgamma
+                dgam_v=T.alloc_shared((_C,), f32),
+                te=T.alloc_shared((_C,), f32),
+                dbeta_rows=T.alloc_shared((_C,), f32),
+                dot_part=T.alloc_shared((4,), f32),   # <S0, dS1> per warp of the state role
+                suffix_part=T.alloc_shared((2,), f32),
+                te_part=T.alloc_shared((2,), f32),
+                qk_full=T.alloc_barrier(arrive_count=[32]),
+                qk_free=T.alloc_barrier(arrive_count=[3 * WARPGROUP]),
+                a_full=T.alloc_barrier(arrive_count=[32]),
+                a_free=T.alloc_barrier(arrive_count=[WARPGROUP]),
+                vs_full=T.alloc_barrier(arrive_count=[32]),
+                vs_free=T.alloc_barrier(arrive_count=[3 * WARPGROUP]),
+                do_full=T.alloc_barrier(arrive_count=[32]),
+                do_free=T.alloc_barrier(arrive_count=[3 * WARPGROUP]),
+                ds_ready=T.alloc_barrier(arrive_count=[WARPGROUP]),
+                ds_free=T.alloc_barrier(arrive_count=[WARPGROUP]),
+                prod_ready=T.alloc_barrier(arrive_count=[WARPGROUP]),
+                prod_free=T.alloc_barrier(arrive_count=[WARPGROUP]),
+                dog_free=T.alloc_barrier(arrive_count=[WARPGROUP]),
+                du_ready=T.alloc_barrier(arrive_count=[WARPGROUP]),
+                du_free=T.alloc_barrier(arrive_count=[2 * WARPGROUP]),
+                delta_ready=T.alloc_barrier(arrive_count=[WARPGROUP]),
+                delta_free=T.alloc_barrier(arrive_count=[WARPGROUP]),
+                dd_ready=T.alloc_barrier(arrive_count=[WARPGROUP]),
+                dd_read=T.alloc_barrier(arrive_count=[WARPGROUP]),
+                dab_done=T.alloc_barrier(arrive_count=[WARPGROUP]),
+                dd_free=T.alloc_barrier(arrive_count=[WARPGROUP]),
+                dpm_ready=T.alloc_barrier(arrive_count=[WARPGROUP]),
+                dpm_read=T.alloc_barrier(arrive_count=[WARPGROUP]),
+                x_ready=T.alloc_barrier(arrive_count=[WARPGROUP]),
+                x_free=T.alloc_barrier(arrive_count=[WARPGROUP]),
+                vg_ready=T.alloc_barrier(arrive_count=[WARPGROUP]),
+                vg_free=T.alloc_barrier(arrive_count=[WARPGROUP]),
+                cc_ready=T.alloc_barrier(arrive_count=[WARPGROUP]),
+                rows_ready=T.alloc_barrier(arrive_count=[WARPGROUP]),
+                rows_free=T.alloc_barrier(arrive_count=[WARPGROUP]),
+                state_sync=T.alloc_barrier(arrive_count=[WARPGROUP]),
             )
             tx = T.get_thread_binding()
             if tx < WARPGROUP:
