@@ -60,10 +60,10 @@ def chunk_gated_delta_rule(
             "tilelang", "torch" that takes the inputs (with a one-time warning when it passes
             over the kernels on a Hopper GPU).
         keep_for_backward: when autograd will differentiate the call, what the "tilelang" backend's
-            forward keeps for the backward beside the inputs (KEEP_FOR_BACKWARD): True its
-            intermediates, gamma, the inverse, the gated products and the state entering every
-            64-token chunk (about T * Hv * 900 bytes), so that the backward recomputes none of them;
-            "products" all but the chunk states (about T * Hv * 390 bytes), which the backward
+            forward keeps for the backward beside the inputs (KEEP_FOR_BACKWARD): True what the
+            backward reads of it, gamma, the inverse and the state entering every 64-token chunk
+            (about T * Hv * 644 bytes), so that the backward recomputes none of them; "products" all
+            but the chunk states (gamma and the inverse, about T * Hv * 132 bytes), which the backward
             then rebuilds by walking the chunks again; False nothing (the backward runs the forward
             again), where memory is tighter than time. Under a non-reentrant checkpoint both passes
             see the same value, so they save the same tensors. The other backends ignore it.

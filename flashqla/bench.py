@@ -253,7 +253,7 @@ def backward_breakdown(inputs: dict, rep_ms: int, like_the_model: bool = False) 
     plan = plan_forward(cu, num_v_heads, 128, sm_count, MAX_VALUE_BLOCK)
     forward_plan = plan_forward(cu, num_v_heads, 128, sm_count, FORWARD_MAX_VALUE_BLOCK)
     _, _, kept, *_ = forward(q[None], k[None], v[None], g[None], beta[None], 128 ** -0.5, h0, False, cu,
-                             keep_for_backward=True, normalize_qk=like_the_model)
+                             keep_for_backward=True, normalize_qk=like_the_model, keep_products=True)
     gamma, beta32 = kept.gamma, beta.float()
     do = torch.randn_like(v)
     dht = torch.zeros(cu.numel() - 1, num_v_heads, 128, 128, device=v.device)
@@ -548,7 +548,8 @@ def kept_backward_on(heads: tuple[int, int], seq_lens: list[int], like_the_model
     host = x["cu_seqlens_cpu"].tolist()
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"], 128 ** -0.5, x["initial_state"])
     o, _, kept, *rstds = forward(*args, x["output_final_state"], x["cu_seqlens"], cu_seqlens_host=host,
-                                 keep_for_backward=True, normalize_qk=like_the_model)
+                                 keep_for_backward=True, normalize_qk=like_the_model,
+                                 keep_products=True)
     gen = torch.Generator(device="cuda").manual_seed(1)
     do = torch.randn(o.shape, generator=gen, device="cuda").to(o.dtype)
     dht = None if like_the_model else torch.randn(x["initial_state"].shape, generator=gen, device="cuda")

@@ -31,7 +31,7 @@ MAX_VALUE_BLOCK = 64
 
 def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seqlens_host: list[int] | None = None,
              kept: KeptForward | None = None, log_decay_threshold: float = DEFAULT_LOG_DECAY_THRESHOLD,
-             q_rstd: torch.Tensor | None = None, k_rstd: torch.Tensor | None = None, fused_reverse: bool = False,
+             q_rstd: torch.Tensor | None = None, k_rstd: torch.Tensor | None = None, fused_reverse: bool = True,
              timeline: torch.Tensor | None = None):
     """Gradients of (o, final_state) for inputs as given to `forward.forward`.
 
@@ -42,8 +42,8 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seq
     there is no initial state (the gradient a zero initial state would get).
     cu_seqlens_host: cu_seqlens as a list when the caller holds it (the forward's plan is then
     reused from its cache with no device->host read).
-    kept: what `forward.forward(..., keep_for_backward=True)` returned for these inputs; when None
-    the forward runs again to make it.
+    kept: what `forward.forward(..., keep_for_backward=True)` returned for these inputs; when None (or
+    without Ab and P where fused_reverse is False) the forward runs again to make it.
     log_decay_threshold: how far the state-gradient walk of a piece may truncate what comes after
     it (walk_bounds.py); -inf walks every piece from its sequence end, which gives bitwise
     the gradients of one walk over the whole sequence.
@@ -51,9 +51,11 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seq
     its r, float32 [B * T * Hqk] (what forward.forward(..., normalize_qk=True) returns); the gradients are
     those of the op on q^, k^, carried through the norm to q and k. q and k must then be contiguous (the
     Function saves them so).
-    fused_reverse: steps 2 and 3 in one reverse walk (backward_fused.py; a candidate the public op does not
-    reach: tests/flashqla/test_hopper_backward_fused.py and bench --compare backward_fused run it); timeline: its
-    clock stamps (backward_fused.timeline_shape for fused_walk_pieces' rows; tools/walk_timeline.py).
+    fused_reverse: steps 2 and 3 in one reverse walk (backward_fused.py: dS stays on chip; 1.09-1.46x the two
+    kernels on the bench's shapes but a ragged batch with the norm, 0.98x, docs/performance.md); False: the
+    state-gradient walk, then the chunk gradients from its dS (bench --compare backward_fused compares them).
+    timeline: the fused walk's clock stamps (backward_fused.timeline_shape for fused_walk_pieces' rows;
+    tools/walk_timeline.py).
     """
     reason = unsupported_inputs(q, v)
     if reason is not None:
@@ -92,13 +94,13 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seq
         kernel_rstds = None
     else:
         q_flat, k_flat = flat(q, num_qk_heads), flat(k, num_qk_heads)
-    if kept is None:  # run the forward again, keeping what it can: every piece in parallel
+    if kept is None or (not fused_reverse and kept.gated_inverse is None):
+        # run the forward again, keeping what this backward reads: every piece in parallel
         _, _, kept, *_ = forward(q, k, v, g, beta, scale, initial_state, False, cu_seqlens,
                                  cu_seqlens_host=cu_seqlens_host, keep_for_backward=True,
-                                 normalize_qk=rstds is not None)
+                                 normalize_qk=rstds is not None, keep_products=not fused_reverse)
     # float16 inputs were kept float16: the kernels here read bf16
     gamma = kept.gamma
-    gated_inverse, scores = kept.gated_inverse.to(torch.bfloat16), kept.scores.to(torch.bfloat16)
     inverse = kept.inverse.to(torch.bfloat16)
     if kept.chunk_states is not None:
         states = kept.chunk_states.to(torch.bfloat16)
@@ -119,6 +121,7 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seq
             q_flat, k_flat, v_flat, gamma, beta_flat, inverse, states, do_flat, dht, scale, cu_seqlens, offsets,
             pieces, walk_end, rstds=kernel_rstds, timeline=timeline)
         return _finish(q, k, v, g, beta, dq_head, dk_head, dv, dg, dbeta, dh0, rstds, False, num_qk_heads)
+    gated_inverse, scores = kept.gated_inverse.to(torch.bfloat16), kept.scores.to(torch.bfloat16)
     walk = state_gradient_walk(plan, gamma, cu_seqlens, cu_seqlens_host, num_v_heads, sm_count, log_decay_threshold)
     state_grads, dh0 = state_gradients(q_flat, k_flat, gamma, gated_inverse, scores, do_flat, dht, scale,
                                        cu_seqlens, offsets, chunk_index.shape[0], **walk, rstds=kernel_rstds)

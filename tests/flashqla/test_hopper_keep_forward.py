@@ -1,7 +1,7 @@
-"""The forward keeps gamma, A~, Ab, P and the state entering every chunk (forward.KeptForward) and the
-backward recomputes none of them (the public op's default); with keep_for_backward="products" all but
-the chunk states, which the backward walks the chunks again for; with False nothing (the backward runs
-the forward again).
+"""The forward keeps gamma, A~ and the state entering every chunk (forward.KeptForward) and the backward
+recomputes none of them (the public op's default); with keep_for_backward="products" all but the chunk states,
+which the backward walks the chunks again for; with False nothing (the backward runs the forward again). Ab and P
+are kept only when asked (keep_products), for the two-kernel backward.
 
 Checked: the kept tensors agree with float64 (A~, Ab, P) and with the state-only walk of chunk_states.py,
 and the gradients stay within the float64 tolerance on the grid (ragged, split sequences, strong decay,
@@ -31,6 +31,7 @@ def forward_then_backward(inputs, do, dht, keep_chunk_states: bool = True):
     _, _, kept = forward(*args, SCALE, inputs["initial_state"], True, inputs["cu_seqlens"],
                          keep_for_backward=True, keep_chunk_states=keep_chunk_states)
     assert (kept.chunk_states is not None) == keep_chunk_states
+    assert kept.gated_inverse is None and kept.scores is None, "Ab and P kept unasked"
     return backward(*args, SCALE, inputs["initial_state"], inputs["cu_seqlens"], do, dht, kept=kept)
 
 
@@ -58,7 +59,7 @@ def test_kept_tensors_match_float64_and_the_state_only_walk(heads):
     inputs = make_inputs(RAGGED + [8192], *heads, True, seed=3)
     poison_allocator()
     _, _, kept = forward(*(inputs[n] for n in ARGS), SCALE, inputs["initial_state"], True,
-                         inputs["cu_seqlens"], keep_for_backward=True)
+                         inputs["cu_seqlens"], keep_for_backward=True, keep_products=True)
     cu = inputs["cu_seqlens"]
     assert_gamma_matches_float64(kept.gamma, inputs["g"], cu)
     for name, exact in zip(("inverse", "gated_inverse", "scores"), float64_products(inputs, SCALE)):
@@ -82,6 +83,22 @@ def test_kept_products_without_states_give_bitwise_the_kept_gradients(heads, len
     rewalked = forward_then_backward(inputs, do, dht, keep_chunk_states=False)
     for name, a, b in zip(GRAD_NAMES, with_states, rewalked):
         assert torch.isfinite(b).all(), name
+        assert torch.equal(a, b), name
+
+
+def test_two_kernel_backward_without_kept_products_runs_the_forward_again():
+    """The two-kernel backward reads Ab and P: given a KeptForward without them it runs the forward again, and its
+    gradients are those of keeping nothing, to the bit."""
+    from flashqla.hopper.backward import backward
+    from flashqla.hopper.forward import forward
+
+    inputs, do, dht = make_backward_inputs(RAGGED, 2, 8, True)
+    args = [inputs[n] for n in ARGS] + [SCALE, inputs["initial_state"]]
+    _, _, kept = forward(*args, True, inputs["cu_seqlens"], keep_for_backward=True)
+    given = backward(*args, inputs["cu_seqlens"], do, dht, kept=kept, fused_reverse=False)
+    rerun = backward(*args, inputs["cu_seqlens"], do, dht, kept=None, fused_reverse=False)
+    for name, a, b in zip(GRAD_NAMES, given, rerun):
+        assert torch.isfinite(a).all(), name
         assert torch.equal(a, b), name
 
 
