@@ -153,8 +153,8 @@ def compile_ours(shapes, like_the_model: bool = False, with_initial_state: bool 
         # the model's layer L2-normalises q and k in the inverse's kernel
         forward(q, k, v, x["g"], beta, None, h0, not like_the_model, cu, normalize_qk=like_the_model)
         backward(q, k, v, x["g"], beta, 128 ** -0.5, h0, cu, torch.randn_like(v), d_state)
-        # the variants a differentiated forward runs (the walk that also stores Ab, P and the
-        # walk that stores the chunk states), and the backward that reads them
+        # the variant a differentiated forward runs (the walk that stores the chunk states), and the
+        # backward that reads them
         _, _, kept, *_ = forward(q, k, v, x["g"], beta, None, h0, not like_the_model, cu, keep_for_backward=True,
                                  normalize_qk=like_the_model)
         backward(q, k, v, x["g"], beta, 128 ** -0.5, h0, cu, torch.randn_like(v), d_state, kept=kept)
