@@ -55,7 +55,8 @@ def test_exact_pieces_give_bitwise_the_whole_sequence_walk(case):
     assert plan.max_walk_back > 0, "the planner did not cut this case"
     q, k = inputs["q"][0], inputs["k"][0]
     _, _, kept = forward(inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"], SCALE,
-                         inputs["initial_state"], False, inputs["cu_seqlens"], keep_for_backward=True)
+                         inputs["initial_state"], False, inputs["cu_seqlens"], keep_for_backward=True,
+                         keep_products=True)
     gamma, ab, p = kept.gamma, kept.gated_inverse, kept.scores
     args = (q, k, gamma, ab, p, do[0], dht, SCALE, inputs["cu_seqlens"], plan.chunk_offsets,
             plan.chunk_index.shape[0], plan.value_block)
