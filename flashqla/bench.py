@@ -555,9 +555,9 @@ def kept_backward_on(heads: tuple[int, int], seq_lens: list[int], like_the_model
     dht = None if like_the_model else torch.randn(x["initial_state"].shape, generator=gen, device="cuda")
     norm = dict(zip(("q_rstd", "k_rstd"), rstds[0])) if like_the_model else {}
 
-    def run(fused_reverse: bool, timeline: torch.Tensor | None = None):
+    def run(fused_reverse: bool, timeline: torch.Tensor | None = None, **switches):
         return backward(*args, x["cu_seqlens"], do, dht, cu_seqlens_host=host, kept=kept,
-                        fused_reverse=fused_reverse, timeline=timeline, **norm)
+                        fused_reverse=fused_reverse, timeline=timeline, **norm, **switches)
 
     return run
 
@@ -565,7 +565,8 @@ def kept_backward_on(heads: tuple[int, int], seq_lens: list[int], like_the_model
 def compare_backward_fused(rep_ms: int):
     """The backward from the forward's kept tensors: the state-gradient walk and the chunk gradients (two kernels)
     against the one reverse walk (backward_fused.py), with the L2 norm as the model calls the op ("model") and on
-    the anchors' normalised inputs with h0 ("plain"). Raises where a fused gradient is more than 1e-2 (relative
+    the anchors' normalised inputs with h0 ("plain"); where each value head has its own q, k head, with the norm's
+    backward inside the walk too ("fused, norm in walk"). Raises where a fused gradient is more than 1e-2 (relative
     L2) from the two kernels'."""
     from flashqla.testing import relative_error
 
@@ -574,13 +575,19 @@ def compare_backward_fused(rep_ms: int):
     for name, heads, seq_lens in shapes:
         for mode in ("model", "plain"):
             run = kept_backward_on(heads, seq_lens, like_the_model=mode == "model")
-            for label, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), run(False), run(True)):
-                error = float(relative_error(b, a))
-                if not error <= 1e-2:  # also catches NaN
-                    raise AssertionError(f"backward_fused {name} {mode}: the fused {label} is {error:.2e} from the "
-                                         "two kernels'")
-            yield f"{name} {mode}", {"two kernels": _median_ms(lambda: run(False), rep_ms),
-                                     "fused": _median_ms(lambda: run(True), rep_ms)}
+            variants = {"two kernels": dict(fused_reverse=False), "fused": dict(fused_reverse=True)}
+            if mode == "model" and heads[0] == heads[1]:
+                variants["fused, norm in walk"] = dict(fused_reverse=True, norm_in_fused_walk=True)
+            two_kernels = run(False)
+            for variant, switches in list(variants.items())[1:]:
+                for label, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), two_kernels, run(**switches)):
+                    error = float(relative_error(b, a))
+                    if not error <= 1e-2:  # also catches NaN
+                        raise AssertionError(f"backward_fused {name} {mode}: the {variant} {label} is {error:.2e} "
+                                             "from the two kernels'")
+            del two_kernels
+            yield f"{name} {mode}", {variant: _median_ms(lambda: run(**switches), rep_ms)
+                                     for variant, switches in variants.items()}
             del run
             torch.cuda.empty_cache()
 

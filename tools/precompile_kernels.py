@@ -194,11 +194,13 @@ def compile_walks() -> None:
 
 def compile_fused_backward_forms(paths: list[str]) -> None:
     """The fused reverse walk (flashqla/hopper/backward_fused.py, one kernel a variant: run-time shapes) in the four
-    variants its bench, tests and timelines run (plain, the L2 norm, each also recording its timeline), from the
+    variants its bench, tests and timelines run (plain, the L2 norm, each also recording its timeline; the norm's
+    backward inside the walk where a form has it), from the
     tree's file and from each candidate form's file in paths (tools/device_session.sh's fused-*:FORM parts put
     .devkit/alt/backward_fused_FORM.py in the tree's place; the cache keys do not depend on the file's path)."""
     import importlib
     import importlib.util
+    import inspect
 
     modules = [importlib.import_module("flashqla.hopper.backward_fused")]
     for index, path in enumerate(paths):
@@ -210,6 +212,8 @@ def compile_fused_backward_forms(paths: list[str]) -> None:
         for normalize_qk in (False, True):
             for record_timeline in (False, True):
                 module.compile_fused_backward(normalize_qk, record_timeline)
+        if "l2norm_backward" in inspect.signature(module.compile_fused_backward).parameters:
+            module.compile_fused_backward(True, False, l2norm_backward=True)  # the norm's backward in the walk
         print(f"fused backward, {name}: {time.time() - started:.0f} s", flush=True)
 
 

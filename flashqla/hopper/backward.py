@@ -32,7 +32,7 @@ MAX_VALUE_BLOCK = 64
 def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seqlens_host: list[int] | None = None,
              kept: KeptForward | None = None, log_decay_threshold: float = DEFAULT_LOG_DECAY_THRESHOLD,
              q_rstd: torch.Tensor | None = None, k_rstd: torch.Tensor | None = None, fused_reverse: bool = True,
-             timeline: torch.Tensor | None = None):
+             timeline: torch.Tensor | None = None, norm_in_fused_walk: bool = False):
     """Gradients of (o, final_state) for inputs as given to `forward.forward`.
 
     q, k: [B, T, Hqk, 128]; v, do: [B, T, Hv, 128]; g, beta: [B, T, Hv]; initial_state, dht:
@@ -55,7 +55,8 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seq
     kernels on the bench's shapes but a ragged batch with the norm, 0.98x, docs/performance.md); False: the
     state-gradient walk, then the chunk gradients from its dS (bench --compare backward_fused compares them).
     timeline: the fused walk's clock stamps (backward_fused.timeline_shape for fused_walk_pieces' rows;
-    tools/walk_timeline.py).
+    tools/walk_timeline.py). norm_in_fused_walk (candidate, not run on a GPU): the L2 norm's backward inside the
+    fused walk where every value head has its own q, k head (else its own kernel after the group sum, as now).
     """
     reason = unsupported_inputs(q, v)
     if reason is not None:
@@ -117,10 +118,11 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seq
     if fused_reverse:
         pieces = fused_walk_pieces(cu_seqlens, num_v_heads, sm_count, cu_seqlens_host)
         walk_end = walk_bounds(gamma, pieces, cu_seqlens, ahead=True, log_decay_threshold=log_decay_threshold)
+        norm_in_walk = norm_in_fused_walk and kernel_rstds is not None and num_v_heads == num_qk_heads
         dq_head, dk_head, dv, dg, dbeta, dh0 = fused_backward_grads(
             q_flat, k_flat, v_flat, gamma, beta_flat, inverse, states, do_flat, dht, scale, cu_seqlens, offsets,
-            pieces, walk_end, rstds=kernel_rstds, timeline=timeline)
-        return _finish(q, k, v, g, beta, dq_head, dk_head, dv, dg, dbeta, dh0, rstds, False, num_qk_heads)
+            pieces, walk_end, rstds=kernel_rstds, timeline=timeline, l2norm_backward=norm_in_walk)
+        return _finish(q, k, v, g, beta, dq_head, dk_head, dv, dg, dbeta, dh0, rstds, norm_in_walk, num_qk_heads)
     gated_inverse, scores = kept.gated_inverse.to(torch.bfloat16), kept.scores.to(torch.bfloat16)
     walk = state_gradient_walk(plan, gamma, cu_seqlens, cu_seqlens_host, num_v_heads, sm_count, log_decay_threshold)
     state_grads, dh0 = state_gradients(q_flat, k_flat, gamma, gated_inverse, scores, do_flat, dht, scale,

@@ -69,8 +69,13 @@ _DELTA_BARRIER = 12
 _ROLE_LEADERS = {"state": 0, "delta": WARPGROUP, "products": 2 * WARPGROUP, "loads": 3 * WARPGROUP}
 
 
-def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = False):
-    """record_timeline: also write the clock at every TIMELINE_EVENTS point (a diagnostic: same outputs)."""
+def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = False, l2norm_backward: bool = False):
+    """record_timeline: also write the clock at every TIMELINE_EVENTS point (a diagnostic: same outputs).
+    l2norm_backward (with normalize_qk; candidate, not run on a GPU): dq and dk come out as the gradients of q and
+    k, the norm's backward applied on chip, for layouts where a value head has its own q, k head (else the group
+    is summed first, outside)."""
+    if l2norm_backward and not normalize_qk:
+        raise ValueError("fused_backward_program: l2norm_backward needs normalize_qk (the norm's r)")
     K = V = HEAD_DIM
     num_v_heads = T.dynamic("num_v_heads")
     num_qk_heads = T.dynamic("num_qk_heads")
@@ -258,9 +263,9 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
                     out[start + t, cta.head, first + d] = T.cast(frag[t, d], op)
 
     @T.macro
-    def dq_half(sh, cta, start, length, dq_head, dq, rows_half, dq_rows, first):
-        """Columns first .. first + K / 2 of r_q dq: dO through S0's matching rows, scaled, its row products with
-        q's half summed into dq_rows (dgamma's dq term; the half at 0 clears it), then Z K's half."""
+    def dq_half_product(sh, cta, dq, rows_half, dq_rows, first):
+        """Columns first .. first + K / 2 of r_q dq into dq: dO through S0's matching rows, scaled, its row products
+        with q's half summed into dq_rows (dgamma's dq term; the half at 0 clears it), then Z K's half."""
         half = K // 2
         T.gemm(sh.do, sh.s0[first:first + half, 0:V], dq, transpose_B=True, clear_accum=True)
         for t, d in T.Parallel(_C, half):
@@ -269,14 +274,46 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
             rows_half[t, d] = dq[t, d] * T.cast(sh.q[t, first + d], f32)
         T.reduce_sum(rows_half, dq_rows, dim=1, clear=first == 0)
         T.gemm(sh.cols, sh.k[0:_C, first:first + half], dq)
+
+    @T.macro
+    def dq_half(sh, cta, start, length, dq_head, dq, rows_half, dq_rows, first):
+        """Columns first .. first + K / 2 of dq (of q^ with the norm), stored."""
+        half = K // 2
+        dq_half_product(sh, cta, dq, rows_half, dq_rows, first)
         if normalize_qk:
             for t, d in T.Parallel(_C, half):
                 dq[t, d] = dq[t, d] / sh.q_rstd[t]
         store_rows(sh, cta, dq, dq_head, start, length, first, half, in_flight=int(first > 0))
 
     @T.macro
+    def dq_through_the_norm(sh, cta, start, length, dq_head, dq, rows_half, dq_rows, q_dots):
+        """dq of q (l2norm_backward), stored: with y = r dq^ (what dq_half_product makes), r (dq^ - q^ (q^ . dq^))
+        = y - r^2 q (q . y), whose row dot needs both halves; the first waits in Delta's buffer (bf16, as the
+        norm's own kernel would read it) until the second is made."""
+        half = K // 2
+        dq_half_product(sh, cta, dq, rows_half, dq_rows, 0)
+        for t, d in T.Parallel(_C, half):
+            rows_half[t, d] = dq[t, d] * T.cast(sh.q[t, d], f32)
+        T.reduce_sum(rows_half, q_dots, dim=1, clear=True)
+        T.tma_store_wait(0)  # the chunk before's last store has read Delta's buffer
+        T.sync_threads(_DELTA_BARRIER, WARPGROUP)
+        T.copy(dq, sh.delta[0:_C, 0:half])
+        dq_half_product(sh, cta, dq, rows_half, dq_rows, half)
+        for t, d in T.Parallel(_C, half):
+            rows_half[t, d] = dq[t, d] * T.cast(sh.q[t, half + d], f32)
+        T.reduce_sum(rows_half, q_dots, dim=1, clear=False)
+        for t, d in T.Parallel(_C, half):
+            dq[t, d] = dq[t, d] - sh.q_rstd[t] * sh.q_rstd[t] * q_dots[t] * T.cast(sh.q[t, half + d], f32)
+        store_rows(sh, cta, dq, dq_head, start, length, half, half)
+        T.sync_threads(_DELTA_BARRIER, WARPGROUP)  # the first half read back by other lanes than wrote it
+        T.copy(sh.delta[0:_C, 0:half], dq)
+        for t, d in T.Parallel(_C, half):
+            dq[t, d] = dq[t, d] - sh.q_rstd[t] * sh.q_rstd[t] * q_dots[t] * T.cast(sh.q[t, d], f32)
+        store_rows(sh, cta, dq, dq_head, start, length, 0, half, in_flight=1)
+
+    @T.macro
     def delta_chunk(sh, cta, c, own, dv, dk_head, dq_head, acc, pm_do, dk, rows, row_sum, te, rk_rows, dq,
-                    rows_half, dq_rows):
+                    rows_half, dq_rows, q_dots):
         """Chunk c of the delta role; own (a Python bool): a chunk of the piece, else a warm-up chunk (the
         chain only). Two loops instead of a run-time branch: ptxas then sees no fragment live across chunks."""
         lane = T.get_thread_binding() - WARPGROUP
@@ -371,8 +408,11 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
             # dq = scale D dO S0^T + dPm K^ as r_q dq = r_q scale D dO S0^T + Z K (module docstring), in two halves
             # of its columns beside dk; dgamma gains rowsum(the first term . Q^)
             if own:
-                dq_half(sh, cta, start, length, dq_head, dq, rows_half, dq_rows, 0)
-                dq_half(sh, cta, start, length, dq_head, dq, rows_half, dq_rows, K // 2)
+                if l2norm_backward:
+                    dq_through_the_norm(sh, cta, start, length, dq_head, dq, rows_half, dq_rows, q_dots)
+                else:
+                    dq_half(sh, cta, start, length, dq_head, dq, rows_half, dq_rows, 0)
+                    dq_half(sh, cta, start, length, dq_head, dq, rows_half, dq_rows, K // 2)
             T.barrier_arrive(sh.do_free[0])
             T.barrier_arrive(sh.vs_free[0])
             stamp(cta, "delta", c, "dq")
@@ -389,16 +429,23 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
             T.barrier_wait(sh.x_ready[0], c % 2)
             stamp(cta, "delta", c, "x_ready")
             if own:
-                if normalize_qk:  # r_k kept past the release of the chunk's q, k below
+                if normalize_qk and not l2norm_backward:  # r_k kept past the release of the chunk's q, k below
                     for t in T.Parallel(_C):
                         rk_rows[t] = sh.k_rstd[t]
                 T.gemm(sh.cols, sh.k, dk)
                 T.gemm(sh.cols, sh.k, dk, transpose_A=True)
             T.barrier_arrive(sh.x_free[0])
+            if own:
+                if l2norm_backward:  # as dq's (dq_through_the_norm), while k is still in: y - r^2 k (k . y)
+                    for t, d in T.Parallel(_C, K):
+                        rows[t, d] = dk[t, d] * T.cast(sh.k[t, d], f32)
+                    T.reduce_sum(rows, row_sum, dim=1, clear=True)
+                    for t, d in T.Parallel(_C, K):
+                        dk[t, d] = dk[t, d] - sh.k_rstd[t] * sh.k_rstd[t] * row_sum[t] * T.cast(sh.k[t, d], f32)
             T.barrier_arrive(sh.qk_free[0])
             stamp(cta, "delta", c, "qk_released")
             if own:
-                if normalize_qk:
+                if normalize_qk and not l2norm_backward:
                     for t, d in T.Parallel(_C, K):
                         dk[t, d] = dk[t, d] / rk_rows[t]
                 store_rows(sh, cta, dk, dk_head, start, length, 0, K)
@@ -414,10 +461,11 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
         row_sum = T.alloc_fragment((_C,), f32)
         te = T.alloc_fragment((_C,), f32)
         rk_rows = T.alloc_fragment((_C,), f32) if normalize_qk else None
+        q_dots = T.alloc_fragment((_C,), f32) if l2norm_backward else None
         dq = T.alloc_fragment((_C, K // 2), f32)
         rows_half = T.alloc_fragment((_C, K // 2), f32)
         dq_rows = T.alloc_fragment((_C,), f32)
-        args = (dv, dk_head, dq_head, acc, pm_do, dk, rows, row_sum, te, rk_rows, dq, rows_half, dq_rows)
+        args = (dv, dk_head, dq_head, acc, pm_do, dk, rows, row_sum, te, rk_rows, dq, rows_half, dq_rows, q_dots)
         for c in T.serial(cta.n_warm):
             delta_chunk(sh, cta, c, False, *args)
         for c in T.serial(cta.n_chunks - cta.n_warm):
@@ -746,24 +794,30 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
 
 
 @functools.lru_cache(maxsize=None)
-def compile_fused_backward(normalize_qk: bool = False, record_timeline: bool = False):
-    return compile_for_hopper(fused_backward_program(normalize_qk, record_timeline), fast_math=True)
+def compile_fused_backward(normalize_qk: bool = False, record_timeline: bool = False, l2norm_backward: bool = False):
+    return compile_for_hopper(fused_backward_program(normalize_qk, record_timeline, l2norm_backward), fast_math=True)
 
 
 def fused_backward_grads(q, k, v, gamma, beta, inverse, chunk_states, do, dht, scale, cu_seqlens, offsets, pieces,
-                         walk_end, rstds: tuple | None = None, timeline: torch.Tensor | None = None):
+                         walk_end, rstds: tuple | None = None, timeline: torch.Tensor | None = None,
+                         l2norm_backward: bool = False):
     """(dq, dk per value head, dv, dg, dbeta, dh0) on flattened bf16 inputs.
 
     q, k: [T, Hqk, 128]; v, do: [T, Hv, 128]; gamma (chunk-local cumsum), beta: float32 [T, Hv]; inverse (A~):
     [T, Hv, 64]; chunk_states: [num_chunks, Hv, 128, 128] entering every chunk; dht: float32 [N, Hv, 128, 128];
     cu_seqlens, offsets: int32 [N + 1]; pieces: any piece plan's rows (backward.fused_walk_pieces); walk_end: their
     walk_bounds(ahead=True). rstds: (q_rstd, k_rstd) float32 [T, Hqk] when q, k are the L2 norm's inputs: dq, dk
-    are then those of q^, k^ (the norm's backward is the caller's). timeline: int64 [P * Hv, 4, TIMELINE_CHUNKS,
+    are then those of q^, k^ (the norm's backward is the caller's), or with l2norm_backward (Hv = Hqk only) those
+    of q, k. timeline: int64 [P * Hv, 4, TIMELINE_CHUNKS,
     slots] (timeline_shape) to fill with the clock at each role's TIMELINE_EVENTS; the outputs are unchanged.
     dq, dk, dv bf16 [T, Hv, 128]; dg, dbeta float32 [T, Hv]; dh0 float32 [N, Hv, 128, 128].
     """
     num_tokens = q.shape[0]
     num_v_heads = v.shape[1]
+    if l2norm_backward and (rstds is None or num_v_heads != q.shape[1]):
+        raise ValueError(f"fused_backward_grads: l2norm_backward needs rstds and as many q, k heads as value heads, "
+                         f"got rstds {'None' if rstds is None else 'given'}, {q.shape[1]} q, k heads, "
+                         f"{num_v_heads} value heads")
     bf16 = dict(dtype=torch.bfloat16, device=q.device)
     f32 = dict(dtype=torch.float32, device=q.device)
     dq = torch.empty(num_tokens, num_v_heads, HEAD_DIM, **bf16)
@@ -772,7 +826,7 @@ def fused_backward_grads(q, k, v, gamma, beta, inverse, chunk_states, do, dht, s
     dg = torch.empty(num_tokens, num_v_heads, **f32)
     dbeta = torch.empty(num_tokens, num_v_heads, **f32)
     dh0 = torch.empty(cu_seqlens.numel() - 1, num_v_heads, HEAD_DIM, HEAD_DIM, **f32)
-    kernel = compile_fused_backward(rstds is not None, timeline is not None)
+    kernel = compile_fused_backward(rstds is not None, timeline is not None, l2norm_backward)
     if rstds is None:
         rstds = (torch.empty(1, q.shape[1], **f32),) * 2
     if timeline is None:

@@ -41,6 +41,7 @@ COMPILE_CHECKS = [
     ("backward_chunk_grads_l2norm", lambda: compile_chunk_grads(normalize_qk=True, l2norm_backward=True)),
     ("backward_fused", compile_fused_backward),
     ("backward_fused_normalizing_qk", lambda: compile_fused_backward(normalize_qk=True)),
+    ("backward_fused_l2norm", lambda: compile_fused_backward(normalize_qk=True, l2norm_backward=True)),
     ("causal_conv_forward", lambda: compile_conv_forward("bfloat16")),
     ("causal_conv_backward", lambda: compile_conv_backward("bfloat16")),
     ("causal_conv_forward_one_lane", lambda: compile_conv_forward("bfloat16", lanes=1)),  # odd widths
