@@ -35,8 +35,8 @@ def keeps_for_backward(*inputs) -> bool:
 
 class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
     """Saves the inputs (and under `l2norm` the norm's r of q and k) and, when `keep`, the forward's
-    gamma, A~, Ab, P and (with `keep_chunk_states`) chunk states (forward.KeptForward), which the
-    backward then does not recompute."""
+    gamma, A~ and (with `keep_chunk_states`) chunk states (forward.KeptForward), which the backward
+    then does not recompute."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_host,
