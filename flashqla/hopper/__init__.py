@@ -12,11 +12,13 @@ One file per kernel, in pipeline order:
 - walk_bounds.py: where each piece of a split sequence starts its warm-up (forward) or ends it
   (backward), per head;
 - fused_forward.py: the forward's sequential walk, which builds Ab and P on chip from A~: o, the final
-  state and, for the backward, the chunk states, Ab and P;
+  state and, for the backward, the chunk states (Ab and P for the two-kernel backward);
 - chunk_states.py: the state-only walk (chunk states and K x K transitions; the tests' independent check of
   the states the fused walk stores, and what a cross-GPU split of the op would exchange);
-- backward_state_grads.py: the backward's sequential walk: the state gradients;
-- backward_chunk_grads.py: dq, dk, dv, dg, dbeta of every chunk in parallel.
+- backward_fused.py: the backward's reverse walk: the state gradient on chip, dq, dk, dv, dg, dbeta of every
+  chunk and dh0;
+- backward_state_grads.py and backward_chunk_grads.py: the same backward in two kernels, the state gradients
+  of every chunk, then the chunk gradients in parallel (backward(fused_reverse=False): the comparison).
 
 Beside the op: causal_conv.py, the GDN layer's short causal conv + SiLU (flashqla/conv.py's kernel).
 

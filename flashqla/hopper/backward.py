@@ -1,14 +1,16 @@
 """The backward's entry: the gradients of (o, final state), from the kernels in the order they run.
 
-1. Without the forward's `KeptForward`, run the forward again for it (forward.py: gamma, A~, Ab,
-   P and the state entering every chunk, its walk in pieces); with one that has no chunk states,
-   only the walk (forward.walk_chunks, on the forward's own plan: the states come out bitwise).
-2. Walk the chunks in reverse for the state gradient leaving every chunk, and dh0
-   (backward_state_grads.py; docs/gdn-math.md §3.1): the only sequential part. Sequences the
-   forward's plan cut are walked in the same pieces, each from a decay-truncated warm-up after
+1. Without the forward's `KeptForward`, run the forward again for it (forward.py: gamma, A~ and the
+   state entering every chunk, its walk in pieces); with one that has no chunk states, only the walk
+   (forward.walk_chunks, on the forward's own plan: the states come out bitwise).
+2. One reverse walk over the chunks (backward_fused.py): the state gradient (docs/gdn-math.md §3.1)
+   stays on chip while dq, dk, dv, dg, dbeta of each chunk (§3.2-3.3) and dh0 are made. Sequences
+   the forward's plan cut are walked in the same pieces, each from a decay-truncated warm-up after
    its end (walk_bounds.py, docs/gdn-math.md §4).
-3. Every chunk in parallel: dq, dk, dv, dg, dbeta (backward_chunk_grads.py; §3.2-3.3), and the
-   backward of the q/k L2 norm when the forward applied it.
+3. The backward of the q/k L2 norm when the forward applied it.
+fused_reverse=False runs step 2 as two kernels instead (the bench's and the tests' comparison): the
+state gradients of every chunk (backward_state_grads.py), then the chunk gradients from them in
+parallel (backward_chunk_grads.py), which read Ab and P kept by the forward.
 dq and dk come per value head and are summed over each head group in one deterministic pass (no
 atomics): in the L2 norm's backward kernel when the forward applied the norm, else in torch.
 """

@@ -1,4 +1,4 @@
-"""The backward in one reverse walk (candidate; docs/kernel-notes.md, thirty-fourth session): the state
+"""The backward in one reverse walk (the op's since the fortieth session; docs/kernel-notes.md): the state
 gradient of docs/gdn-math.md §3.1 held on chip while the chunk gradients of §3.2-3.3 are made as it
 walks, so dS never goes through HBM and q, k, dO are read once.
 
@@ -808,8 +808,8 @@ def fused_backward_grads(q, k, v, gamma, beta, inverse, chunk_states, do, dht, s
     cu_seqlens, offsets: int32 [N + 1]; pieces: any piece plan's rows (backward.fused_walk_pieces); walk_end: their
     walk_bounds(ahead=True). rstds: (q_rstd, k_rstd) float32 [T, Hqk] when q, k are the L2 norm's inputs: dq, dk
     are then those of q^, k^ (the norm's backward is the caller's), or with l2norm_backward (Hv = Hqk only) those
-    of q, k. timeline: int64 [P * Hv, 4, TIMELINE_CHUNKS,
-    slots] (timeline_shape) to fill with the clock at each role's TIMELINE_EVENTS; the outputs are unchanged.
+    of q, k. timeline: int64 [P * Hv, 4, TIMELINE_CHUNKS, slots] (timeline_shape) to fill with the clock at each
+    role's TIMELINE_EVENTS; the outputs are unchanged.
     dq, dk, dv bf16 [T, Hv, 128]; dg, dbeta float32 [T, Hv]; dh0 float32 [N, Hv, 128, 128].
     """
     num_tokens = q.shape[0]
