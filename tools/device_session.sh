@@ -79,6 +79,8 @@ BUDGET_S=${BUDGET_S:-560}
 STARTED=$SECONDS
 # Training runs log to metrics.jsonl only: the kit has no wandb and nothing may import it.
 export PYTHONUNBUFFERED=1 WANDB_MODE=disabled TRITON_CACHE_DIR=/tmp/tritoncache RUNS=/tmp/runs
+# every pytest failure as it happens (tests/conftest.py): a step killed at its limit keeps them
+export PYTEST_FAILURES_LOG=$LOGS/failures.txt
 mkdir -p "$TRITON_CACHE_DIR"
 [ -f .devkit/tritoncache.tgz ] && tar -xzf .devkit/tritoncache.tgz -C /tmp
 SUMMARY=()
