@@ -193,11 +193,11 @@ def compile_walks() -> None:
 
 
 def compile_fused_backward_forms(paths: list[str]) -> None:
-    """The fused reverse walk (flashqla/hopper/backward_fused.py, one kernel a variant: run-time shapes) in the four
+    """The fused reverse walk (flashqla/hopper/backward_fused.py, one kernel a variant: run-time shapes) in the
     variants its bench, tests and timelines run (plain, the L2 norm, each also recording its timeline; the norm's
-    backward inside the walk where a form has it), from the
-    tree's file and from each candidate form's file in paths (tools/device_session.sh's fused-*:FORM parts put
-    .devkit/alt/backward_fused_FORM.py in the tree's place; the cache keys do not depend on the file's path)."""
+    backward inside the walk where a form has it), from the tree's file and from each candidate form's file in
+    paths (tools/device_session.sh's fused-*:FORM parts put .devkit/alt/backward_fused_FORM.py in the tree's
+    place; the cache keys do not depend on the file's path)."""
     import importlib
     import importlib.util
     import inspect

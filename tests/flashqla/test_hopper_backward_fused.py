@@ -65,17 +65,6 @@ def test_fused_backward_in_pieces_matches_two_kernels(seq_lens, threshold):
     assert_close_to_two_kernels(fused, two_kernels, seq_lens)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not on_hopper, reason="needs an SM90 (Hopper) GPU")
-@pytest.mark.parametrize("heads", [(16, 16), (2, 8)], ids=["16_16", "2_8"])
-def test_fused_backward_with_the_l2_norm_matches_two_kernels(heads):
-    """q, k unnormalised (norms from 0.1 to 10) with the norm's r: the walk folds r into its factors."""
-    inputs, do, dht, rstds = unnormalised_inputs_and_rstds(RAGGED, heads)
-    fused = run_backward(inputs, do, dht, **rstds)
-    two_kernels = run_backward(inputs, do, dht, fused_reverse=False, **rstds)
-    assert_close_to_two_kernels(fused, two_kernels, RAGGED)
-
-
 def unnormalised_inputs_and_rstds(lengths, heads):
     """The backward's inputs with q, k of norms from 0.1 to 10, and their L2 norm's r as backward takes them."""
     from flashqla.hopper.l2norm import l2_normalized
@@ -86,6 +75,17 @@ def unnormalised_inputs_and_rstds(lengths, heads):
         norms = torch.exp(torch.empty(inputs[name].shape[:3], device="cuda").uniform_(-2.3, 2.3, generator=gen))
         inputs[name] = (inputs[name].float() * norms[..., None]).to(torch.bfloat16).contiguous()
     return inputs, do, dht, {f"{name}_rstd": l2_normalized(inputs[name])[1] for name in ("q", "k")}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not on_hopper, reason="needs an SM90 (Hopper) GPU")
+@pytest.mark.parametrize("heads", [(16, 16), (2, 8)], ids=["16_16", "2_8"])
+def test_fused_backward_with_the_l2_norm_matches_two_kernels(heads):
+    """q, k unnormalised (norms from 0.1 to 10) with the norm's r: the walk folds r into its factors."""
+    inputs, do, dht, rstds = unnormalised_inputs_and_rstds(RAGGED, heads)
+    fused = run_backward(inputs, do, dht, **rstds)
+    two_kernels = run_backward(inputs, do, dht, fused_reverse=False, **rstds)
+    assert_close_to_two_kernels(fused, two_kernels, RAGGED)
 
 
 @pytest.mark.gpu
