@@ -3,7 +3,7 @@ and side-by-side timings of kernel variants (--compare).
 
     python -m flashqla.bench [--fwd] [--bwd] [--json PATH] [--shapes SUBSTR,...] [--baselines fla,flashqla]
                              [--time-budget SECONDS] [--breakdown] [--model] [--keep true|products|false]
-    python -m flashqla.bench --compare [keep_forward,conv,inverse,chunk_grads_l2norm,forward_walk,backward_fused]
+    python -m flashqla.bench --compare [keep_forward,conv,inverse,forward_walk,backward_fused]
                              [--json PATH]
 
 Each library is called the way its users call it: ours through `flashqla.chunk_gated_delta_rule`
@@ -26,8 +26,8 @@ dozen TileLang kernels per head layout, minutes without a carried TileLang cache
 L2 distance of o and the final state from FLA's.
 --breakdown adds our per-stage times (planning uncached and cached, gamma with the inverse, walk
 starts, the fused walk; with --model also the inverse with the L2 norm in its kernel, the norm alone,
-and the walk storing what the backward reads), and with --bwd the backward's (state-gradient walk, its
-warm-up ends, chunk gradients, the group sums, and the walk that keep_for_backward="products" adds). --time-budget starts no shape that would likely end past the budget; the
+and the walk storing the chunk states), and with --bwd the backward's (the reverse walk, its warm-up
+ends, the norm's backward or the group sum, and the walk that keep_for_backward="products" adds). --time-budget starts no shape that would likely end past the budget; the
 JSON is rewritten after every shape, so a killed run keeps what it measured. --warm-only makes only
 the first calls: FLA's compile and autotuning take about two minutes per head layout, so
 tools/device_session.sh runs one such process per layout in parallel (autotune results not kept,
@@ -39,9 +39,9 @@ ratios (timings live here, not in the GPU tests, so a busy machine cannot fail a
 - conv: the GDN layer's conv + SiLU, the TileLang kernel against torch.compile of its definition, and
   the kernel's backward with 256-token blocks against 128 and 64;
 - inverse: the chunks' inverse A~ against FlashQLA's kkt_solve;
-- chunk_grads_l2norm: the chunk gradients then the L2 norm's backward kernel against the chunk
-  gradients with the norm's backward in their epilogues (backward.py picks by head layout);
-- forward_walk: the forward walk against its candidates (WALK_CANDIDATES), bitwise or it raises.
+- forward_walk: the forward walk against its candidates (WALK_CANDIDATES), bitwise or it raises;
+- backward_fused: the reverse walk from the kept forward, and where each value head has its own q, k head
+  the candidate with the L2 norm's backward inside it (tools/device_session.sh fused-bench times a form).
 """
 from __future__ import annotations
 
@@ -181,8 +181,7 @@ def _breakdown_operands(inputs: dict, like_the_model: bool):
 def forward_breakdown(inputs: dict, rep_ms: int, like_the_model: bool = False) -> dict:
     """Median ms of each stage of our forward (planning, gamma with the inverse, walk starts, the fused
     walk). like_the_model adds the inverse with the L2 norm in its kernel (the op's), the norm alone, and
-    the walk a differentiated forward runs: the one that also stores Ab and P ("products") and the chunk
-    states ("all")."""
+    the walk a differentiated forward keeping everything runs (it also stores the chunk states)."""
     from triton.testing import do_bench
 
     from flashqla.hopper.l2norm import l2_normalized
@@ -219,8 +218,7 @@ def forward_breakdown(inputs: dict, rep_ms: int, like_the_model: bool = False) -
         # apply r); "l2norm" the norm as a kernel of its own, writing q^ and k^
         stages["gamma_inverse_norm"] = lambda: gamma_and_inverse(k, g, beta, plan.chunk_bounds, normalize_q=q)
         stages["l2norm"] = lambda: (l2_normalized(inputs["q"]), l2_normalized(inputs["k"]))
-        stages["walk_keeping_products"] = lambda: walk(store_products=True)
-        stages["walk_keeping_all"] = lambda: walk(store_products=True, store_chunk_states=True)
+        stages["walk_keeping_states"] = lambda: walk(store_chunk_states=True)
     result = {name: do_bench(fn, warmup=10, rep=rep_ms, return_mode="median") for name, fn in stages.items()}
     result["pieces"] = int(plan.pieces.shape[0])
     result["value_block"] = plan.value_block
@@ -228,19 +226,17 @@ def forward_breakdown(inputs: dict, rep_ms: int, like_the_model: bool = False) -
 
 
 def backward_breakdown(inputs: dict, rep_ms: int, like_the_model: bool = False) -> dict:
-    """Median ms of each stage of our backward given the kept forward: the warm-up ends of the
-    pieces, the state-gradient walk, the chunk gradients (with like_the_model, the L2 norm's
-    backward in their epilogues where the heads are not grouped), dq's sum over each value-head group
-    (with like_the_model, in the norm's backward kernel), and the walk that "products" adds (the chunk
-    states rebuilt)."""
+    """Median ms of each stage of our backward given the kept forward: the warm-up ends of the pieces, the
+    reverse walk, the L2 norm's backward with dq's sum over each head group (like_the_model) or the group sum
+    alone (dk's is the same again), and the walk that keep_for_backward="products" adds (the chunk states
+    rebuilt)."""
     from triton.testing import do_bench
 
-    from flashqla.hopper.backward import MAX_VALUE_BLOCK, state_gradient_walk, sum_over_groups
-    from flashqla.hopper.backward_chunk_grads import chunk_gradients
-    from flashqla.hopper.backward_state_grads import state_gradients
+    from flashqla.hopper.backward import sum_over_groups
+    from flashqla.hopper.backward_fused import fused_backward_grads
     from flashqla.hopper.chunk_plan import plan_forward
     from flashqla.hopper.forward import forward, walk_chunks
-    from flashqla.hopper.fused_forward import MAX_VALUE_BLOCK as FORWARD_MAX_VALUE_BLOCK
+    from flashqla.hopper.fused_forward import MAX_VALUE_BLOCK
     from flashqla.hopper.l2norm import l2norm_backward
     from flashqla.hopper.walk_bounds import walk_bounds
 
@@ -251,37 +247,25 @@ def backward_breakdown(inputs: dict, rep_ms: int, like_the_model: bool = False) 
     num_qk_heads = q.shape[1]
     sm_count = torch.cuda.get_device_properties().multi_processor_count
     plan = plan_forward(cu, num_v_heads, 128, sm_count, MAX_VALUE_BLOCK)
-    forward_plan = plan_forward(cu, num_v_heads, 128, sm_count, FORWARD_MAX_VALUE_BLOCK)
     _, _, kept, *_ = forward(q[None], k[None], v[None], g[None], beta[None], 128 ** -0.5, h0, False, cu,
-                             keep_for_backward=True, normalize_qk=like_the_model, keep_products=True)
-    gamma, beta32 = kept.gamma, beta.float()
+                             keep_for_backward=True, normalize_qk=like_the_model)
+    gamma, beta32, inverse = kept.gamma, beta.float(), kept.inverse
     do = torch.randn_like(v)
     dht = torch.zeros(cu.numel() - 1, num_v_heads, 128, 128, device=v.device)
-    offsets, num_chunks = plan.chunk_offsets, plan.chunk_index.shape[0]
-    walk_args = state_gradient_walk(plan, gamma, cu, cu.tolist(), num_v_heads, sm_count)
+    walk_end = walk_bounds(gamma, plan.pieces, cu, ahead=True)
 
-    def state_grads():
-        return state_gradients(q, k, gamma, kept.gated_inverse, kept.scores, do, dht, 128 ** -0.5, cu, offsets,
-                               num_chunks, **walk_args, rstds=rstds)
+    def reverse_walk():
+        return fused_backward_grads(q, k, v, gamma, beta32, inverse, kept.chunk_states, do, dht, 128 ** -0.5, cu,
+                                    plan.chunk_offsets, plan.pieces, walk_end, rstds=rstds)
 
-    state_grad_tensor, _ = state_grads()
-
-    def chunk_grads():
-        norm = {} if rstds is None else dict(q_rstd=rstds[0], k_rstd=rstds[1],
-                                             l2norm_backward=num_v_heads == num_qk_heads)
-        return chunk_gradients(q, k, v, gamma, beta32, kept.inverse, kept.chunk_states, state_grad_tensor, do,
-                               128 ** -0.5, plan.chunk_bounds, **norm)
-
-    dq_head = chunk_grads()[0]
+    dq_head = reverse_walk()[0]
     stages = {
-        "state_grads": state_grads,
-        "chunk_grads": chunk_grads,
-        "rewalk": lambda: walk_chunks(q, k, v, gamma, beta32, kept.inverse, 128 ** -0.5, h0, cu, forward_plan,
+        "walk_ends": lambda: walk_bounds(gamma, plan.pieces, cu, ahead=True),
+        "reverse_walk": reverse_walk,
+        "rewalk": lambda: walk_chunks(q, k, v, gamma, beta32, inverse, 128 ** -0.5, h0, cu, plan,
                                       store_chunk_states=True, rstds=rstds),
     }
-    if plan.max_walk_back > 0:
-        stages["walk_ends"] = lambda: walk_bounds(gamma, plan.pieces, cu, ahead=True)
-    if num_v_heads > num_qk_heads and rstds is not None:
+    if rstds is not None:
         stages["l2norm_group_sum"] = lambda: l2norm_backward(dq_head.view(-1, 128), q.reshape(-1, 128),
                                                               rstds[0].reshape(-1))
     elif num_v_heads > num_qk_heads:
@@ -410,55 +394,6 @@ def compare_conv(rep_ms: int):
         yield f"{label}, backward", blocks
 
 
-def _normalised_chunk_gradient_arguments(heads, seq_lens):
-    """chunk_gradients' arguments for the model's unnormalised q, k (the kernel normalises them on chip)
-    and the norm's r of q and k ([T, Hqk])."""
-    from flashqla.hopper.l2norm import l2_normalized
-    from flashqla.testing import chunk_gradient_arguments
-
-    x = make_inputs(heads, seq_lens, like_the_model=True)
-    rstd = [l2_normalized(x[name][0])[1].view(x[name][0].shape[:2]) for name in ("q", "k")]
-    do = torch.randn(x["v"].shape[1:], generator=torch.Generator(device="cuda").manual_seed(1),
-                     device="cuda").to(torch.bfloat16)
-    args = chunk_gradient_arguments(x["q"][0], x["k"][0], x["v"][0], x["g"][0], x["beta"][0], do, x["cu_seqlens"],
-                                    normalize_qk=True)
-    return args, rstd
-
-
-def compare_chunk_grads_l2norm(rep_ms: int):
-    """The chunk gradients followed by the L2 norm's backward kernel, which sums each head group as it reads
-    it, against the chunk gradients that apply the norm's backward in their epilogues
-    (`chunk_grads_program(l2norm_backward=True)`) and sum the group in torch: what backward.py chooses
-    between by head layout. Raises where the epilogues' dq, dk are more than 1e-2 (relative L2) from the
-    norm kernel's."""
-    from flashqla.hopper.backward import sum_over_groups
-    from flashqla.hopper.backward_chunk_grads import chunk_gradients
-    from flashqla.hopper.l2norm import l2norm_backward
-    from flashqla.testing import relative_error
-
-    for name, heads, seq_lens in (("16/16 1x32768", (16, 16), [32768]), ("16/16 1x131072", (16, 16), [131072]),
-                                  ("8/8 1x131072", (8, 8), [131072]), ("16/32 1x65536", (16, 32), [65536]),
-                                  ("16/48 1x32768", (16, 48), [32768]), ("16/64 1x32768", (16, 64), [32768])):
-        args, (q_rstd, k_rstd) = _normalised_chunk_gradient_arguments(heads, seq_lens)
-        num_qk_heads = heads[0]
-
-        def norm_kernel():
-            dq, dk = chunk_gradients(**args, q_rstd=q_rstd, k_rstd=k_rstd, l2norm_backward=False)[:2]
-            return [l2norm_backward(grad.reshape(-1, 128), args[n].reshape(-1, 128), r.reshape(-1))
-                    .view(-1, num_qk_heads, 128) for grad, n, r in ((dq, "q", q_rstd), (dk, "k", k_rstd))]
-
-        def epilogues():
-            dq, dk = chunk_gradients(**args, q_rstd=q_rstd, k_rstd=k_rstd)[:2]
-            return [sum_over_groups(grad, num_qk_heads, torch.bfloat16) for grad in (dq, dk)]
-
-        for label, a, b in zip(("dq", "dk"), norm_kernel(), epilogues()):
-            error = float(relative_error(b, a))
-            if not error <= 1e-2:  # also catches NaN
-                raise AssertionError(f"chunk_grads_l2norm {name}: the epilogues' {label} is {error:.2e} from "
-                                     "the norm kernel's")
-        yield name, {"norm kernel": _median_ms(norm_kernel, rep_ms), "epilogues": _median_ms(epilogues, rep_ms)}
-
-
 # The chunks' gate-free inverse at the bench's large shapes and the models' (the stage FlashQLA also runs alone).
 INVERSE_SHAPES = [("16/64 1x32768", (16, 64), [32768]), ("16/64 8192x4", (16, 64), [8192] * 4),
                   ("2/8 1x32768", (2, 8), [32768]), ("2/8 1x131072", (2, 8), [131072]),
@@ -489,7 +424,7 @@ def compare_inverse(rep_ms: int):
 
 def forward_walk_on(heads: tuple[int, int], seq_lens: list[int]):
     """fused_forward's walk on the bench's inputs with the forward's own gamma, A~ and plan (needs CUDA):
-    returns (run, plan), run(store_chunk_states, store_products, **keywords) calling the walk alone."""
+    returns (run, plan), run(store_chunk_states, **keywords) calling the walk alone."""
     from flashqla.hopper.chunk_plan import device_sm_count, plan_forward
     from flashqla.hopper.fused_forward import MAX_VALUE_BLOCK, fused_forward
     from flashqla.hopper.inverse import gamma_and_inverse
@@ -502,10 +437,9 @@ def forward_walk_on(heads: tuple[int, int], seq_lens: list[int]):
     gamma, inverse = gamma_and_inverse(k, g, beta, plan.chunk_bounds)
     walk = walk_bounds(gamma, plan.pieces, cu, ahead=False)
 
-    def run(store_chunk_states: bool, store_products: bool, **keywords):
+    def run(store_chunk_states: bool, **keywords):
         return fused_forward(q, k, v, gamma, beta, inverse, 128 ** -0.5, x["initial_state"], cu, plan.value_block,
-                             plan.pieces, walk, store_chunk_states=store_chunk_states,
-                             store_products=store_products, offsets=plan.chunk_offsets,
+                             plan.pieces, walk, store_chunk_states=store_chunk_states, offsets=plan.chunk_offsets,
                              num_chunks=plan.chunk_index.shape[0], **keywords)
 
     return run, plan
@@ -515,8 +449,8 @@ def compare_forward_walk(rep_ms: int):
     """The forward walk (fused_forward.py) against its candidates (WALK_CANDIDATES: fused_forward's
     switches), storing nothing and everything (what the model keeps), on the forward's own gamma, A~ and
     plan. The candidates do the walk's arithmetic in another arrangement, so it raises unless every
-    output (o, final state, chunk states, Ab, P) is bitwise the walk's."""
-    keeps = {"nothing": (False, False), "everything": (True, True)}
+    output (o, final state, chunk states) is bitwise the walk's."""
+    keeps = {"nothing": (False,), "everything": (True,)}
     shapes = INVERSE_SHAPES + [("16/32 1x32768", (16, 32), [32768]), ("16/48 8192x4", (16, 48), [8192] * 4),
                                ("16/32 8192x4", (16, 32), [8192] * 4), ("8/24 1x32768", (8, 24), [32768]),
                                ("4/16 1x8192", (4, 16), [8192]),
@@ -526,7 +460,7 @@ def compare_forward_walk(rep_ms: int):
         walk_out = run(*keeps["everything"])
         for label, switches in WALK_CANDIDATES.items():
             out = run(*keeps["everything"], **switches)
-            differ = [what for what, a, b in zip(("o", "final state", "chunk states", "Ab", "P"), walk_out, out)
+            differ = [what for what, a, b in zip(("o", "final state", "chunk states"), walk_out, out)
                       if not torch.equal(a, b)]
             if differ:
                 raise AssertionError(f"forward_walk {name}: {label}'s {', '.join(differ)} differ from the walk's")
@@ -540,7 +474,8 @@ def compare_forward_walk(rep_ms: int):
 
 def kept_backward_on(heads: tuple[int, int], seq_lens: list[int], like_the_model: bool):
     """backward.backward on the bench's inputs from the forward's kept tensors (needs CUDA), with random dO (and
-    dht where the inputs have a final state): returns run(fused_reverse, timeline=None), the gradients of one call."""
+    dht where the inputs have a final state): returns run(timeline=None, **switches), the gradients of one call
+    (switches: backward's keywords, e.g. norm_in_fused_walk)."""
     from flashqla.hopper.backward import backward
     from flashqla.hopper.forward import forward
 
@@ -548,26 +483,25 @@ def kept_backward_on(heads: tuple[int, int], seq_lens: list[int], like_the_model
     host = x["cu_seqlens_cpu"].tolist()
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"], 128 ** -0.5, x["initial_state"])
     o, _, kept, *rstds = forward(*args, x["output_final_state"], x["cu_seqlens"], cu_seqlens_host=host,
-                                 keep_for_backward=True, normalize_qk=like_the_model,
-                                 keep_products=True)
+                                 keep_for_backward=True, normalize_qk=like_the_model)
     gen = torch.Generator(device="cuda").manual_seed(1)
     do = torch.randn(o.shape, generator=gen, device="cuda").to(o.dtype)
     dht = None if like_the_model else torch.randn(x["initial_state"].shape, generator=gen, device="cuda")
     norm = dict(zip(("q_rstd", "k_rstd"), rstds[0])) if like_the_model else {}
 
-    def run(fused_reverse: bool, timeline: torch.Tensor | None = None, **switches):
-        return backward(*args, x["cu_seqlens"], do, dht, cu_seqlens_host=host, kept=kept,
-                        fused_reverse=fused_reverse, timeline=timeline, **norm, **switches)
+    def run(timeline: torch.Tensor | None = None, **switches):
+        return backward(*args, x["cu_seqlens"], do, dht, cu_seqlens_host=host, kept=kept, timeline=timeline, **norm,
+                        **switches)
 
     return run
 
 
 def compare_backward_fused(rep_ms: int):
-    """The backward from the forward's kept tensors: the state-gradient walk and the chunk gradients (two kernels)
-    against the one reverse walk (backward_fused.py), with the L2 norm as the model calls the op ("model") and on
-    the anchors' normalised inputs with h0 ("plain"); where each value head has its own q, k head, with the norm's
-    backward inside the walk too ("fused, norm in walk"). Raises where a fused gradient is more than 1e-2 (relative
-    L2) from the two kernels'."""
+    """The backward from the forward's kept tensors (the reverse walk, backward_fused.py), with the L2 norm as the
+    model calls the op ("model") and on the anchors' normalised inputs with h0 ("plain"); where each value head has
+    its own q, k head, in model mode, also the candidate with the norm's backward inside the walk ("norm in
+    walk"), which raises where a gradient of it is more than 1e-2 (relative L2) from the walk's. A form of the
+    walk (tools/device_session.sh fused-bench:FORM) is timed against another by two such runs."""
     from flashqla.testing import relative_error
 
     shapes = INVERSE_SHAPES + [("16/32 1x65536", (16, 32), [65536]), ("16/16 ragged", (16, 16), [1000, 0, 64, 2047, 1,
@@ -575,17 +509,14 @@ def compare_backward_fused(rep_ms: int):
     for name, heads, seq_lens in shapes:
         for mode in ("model", "plain"):
             run = kept_backward_on(heads, seq_lens, like_the_model=mode == "model")
-            variants = {"two kernels": dict(fused_reverse=False), "fused": dict(fused_reverse=True)}
+            variants = {"fused": {}}
             if mode == "model" and heads[0] == heads[1]:
-                variants["fused, norm in walk"] = dict(fused_reverse=True, norm_in_fused_walk=True)
-            two_kernels = run(False)
-            for variant, switches in list(variants.items())[1:]:
-                for label, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), two_kernels, run(**switches)):
+                variants["norm in walk"] = dict(norm_in_fused_walk=True)
+                for label, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), run(), run(norm_in_fused_walk=True)):
                     error = float(relative_error(b, a))
                     if not error <= 1e-2:  # also catches NaN
-                        raise AssertionError(f"backward_fused {name} {mode}: the {variant} {label} is {error:.2e} "
-                                             "from the two kernels'")
-            del two_kernels
+                        raise AssertionError(f"backward_fused {name} {mode}: the norm in the walk's {label} is "
+                                             f"{error:.2e} from the walk's")
             yield f"{name} {mode}", {variant: _median_ms(lambda: run(**switches), rep_ms)
                                      for variant, switches in variants.items()}
             del run
@@ -598,7 +529,7 @@ WALK_CANDIDATES: dict[str, dict] = {}
 
 
 COMPARISONS = {"keep_forward": compare_keep_forward, "conv": compare_conv, "inverse": compare_inverse,
-               "chunk_grads_l2norm": compare_chunk_grads_l2norm, "forward_walk": compare_forward_walk,
+               "forward_walk": compare_forward_walk,
                "backward_fused": compare_backward_fused}
 
 

@@ -55,25 +55,3 @@ def random_inputs(
         bounds = torch.tensor([0, *seq_lens]).cumsum(0)
         out["cu_seqlens"] = bounds.to(device=device, dtype=torch.int32)
     return out
-
-
-def chunk_gradient_arguments(q, k, v, g, beta, do, cu_seqlens, seed: int = 0, normalize_qk: bool = False) -> dict:
-    """Keyword arguments of hopper.backward_chunk_grads.chunk_gradients for flattened op inputs (q, k
-    [T, Hqk, 128]; v, do [T, Hv, 128]; g, beta [T, Hv]), built by the stages backward.py runs (chunk
-    index, gamma, A~: with normalize_qk that of k's L2 norm, k^); the chunk states and state gradients
-    are random (a generator seeded `seed` on q's device), so that kernels compared on them see the same
-    ones."""
-    from flashqla.hopper.chunk_plan import chunk_bounds, chunk_indices
-    from flashqla.hopper.inverse import gamma_and_inverse
-
-    num_v_heads = g.shape[1]
-    chunk_index = chunk_indices(cu_seqlens)
-    bounds = chunk_bounds(cu_seqlens, chunk_index)
-    beta = beta.float().contiguous()
-    gamma, inverse, *_ = gamma_and_inverse(k, g.contiguous(), beta, bounds, normalize_q=q if normalize_qk else None)
-    gen = torch.Generator(device=q.device).manual_seed(seed)
-    states, state_grads = (torch.randn(chunk_index.shape[0], num_v_heads, 128, 128, generator=gen, device=q.device)
-                           .to(torch.bfloat16) for _ in range(2))
-    return dict(q=q, k=k, v=v, gamma=gamma, beta=beta, inverse=inverse, chunk_states=states,
-                chunk_state_grads=state_grads, do=do, scale=q.shape[-1] ** -0.5,
-                chunk_bounds=bounds)

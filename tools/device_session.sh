@@ -14,8 +14,8 @@
 #                       (default all 8), in parallel: FLA's Triton kernels compile into the shared cache, so a
 #                       later bench spends no minutes per layout there. Autotune results are not kept
 #                       (FLA_CACHE_RESULTS=0): the timed run autotunes alone on the GPU.
-#   ncu                 Nsight Compute sections of one launch each of our four main kernels (NCU_SHAPE=16/64:8192)
-#   ncu-source          one launch of NCU_KERNELS (default chunk_grads) with PC sampling: the report, its SASS page
+#   ncu                 Nsight Compute sections of one launch each of our main kernels (NCU_SHAPE=16/64:8192)
+#   ncu-source          one launch of NCU_KERNELS (default fused_backward) with PC sampling: the report, its SASS page
 #                       as CSV and the 40 instructions that stall most (tools/ncu_top_stalls.py), then the same by
 #                       line of the generated CUDA (the report imports the source)
 #   tests-model         the GPU tests of the conv kernel and of qwen_hybrid/ only
@@ -159,22 +159,22 @@ run_part() {
             done; wait; grep -h "first call" "'"$LOGS"'"/warm-*.log' "$layouts"
         ;;
     ncu)
-        # Nsight Compute on our four main kernels, one launch each (first forward + backward of NCU_SHAPE):
+        # Nsight Compute on our main kernels, one launch each (first forward + backward of NCU_SHAPE):
         # where their time goes (issue stalls, occupancy, memory). Needs the Firecracker machines.
         # NCU_KERNELS (a regex) and NCU_COUNT pick the launches; NCU_EXTRA adds sections (InstructionStats,
         # SourceCounters: the SASS lines that stall most).
-        step ncu 150 60 ncu --clock-control none -k "regex:${NCU_KERNELS:-chunk_inverse|fused_forward|state_grads|chunk_grads}" \
-            -c "${NCU_COUNT:-4}" --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+        step ncu 150 60 ncu --clock-control none -k "regex:${NCU_KERNELS:-chunk_inverse|fused_forward|fused_backward}" \
+            -c "${NCU_COUNT:-3}" --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
             --section SchedulerStats --section MemoryWorkloadAnalysis ${NCU_EXTRA:-} \
             "$PYTHON" -c 'import sys, torch; from flashqla.bench import make_inputs, implementations, first_call_s
 heads, lens = sys.argv[1].split(":"); heads = tuple(map(int, heads.split("/"))); lens = list(map(int, lens.split("+")))
 print(first_call_s(implementations([])["ours"], make_inputs(heads, lens)))' "${NCU_SHAPE:-16/64:8192}"
         ;;
     ncu-source)
-        # One launch of NCU_KERNELS (default the chunk gradients) with PC sampling, kept as $OUT/ncu-source.ncu-rep,
+        # One launch of NCU_KERNELS (default the reverse walk) with PC sampling, kept as $OUT/ncu-source.ncu-rep,
         # then its per-SASS-instruction page as CSV and the 40 instructions with the most stall samples.
         "$PYTHON" tools/restore_kernel_sources.py  # the cached kernels' sources where their line tables point
-        step ncu-source-collect 150 60 ncu --clock-control none -k "regex:${NCU_KERNELS:-chunk_grads}" -c 1 \
+        step ncu-source-collect 150 60 ncu --clock-control none -k "regex:${NCU_KERNELS:-fused_backward}" -c 1 \
             --section WarpStateStats --section SourceCounters --section InstructionStats --import-source yes \
             -f -o "$OUT/ncu-source" \
             "$PYTHON" -c 'import sys, torch; from flashqla.bench import make_inputs, implementations, first_call_s

@@ -172,15 +172,12 @@ def compile_walks() -> None:
     from flashqla.hopper.inverse import compile_inverse
 
     started = time.time()
-    # (states, products) stored: none (no autograd), everything, all but the states, and the states
-    # alone (the backward's walk for keep_for_backward="products")
-    keeps = ((False, False), (True, True), (False, True), (True, False))
     for dtype, beta_dtype in (("bfloat16", "float32"), ("bfloat16", "bfloat16"), ("float16", "float32")):
         compile_inverse(128, dtype, beta_dtype)
         compile_inverse(128, dtype, beta_dtype, normalize_qk=True)
         for value_block in (32, 64, 128):
-            for states, products in keeps:
-                compile_fused_forward(value_block, dtype, beta_dtype, 128, states, products)
+            for states in (False, True):  # the chunk states stored: with autograd, and the backward's rewalk
+                compile_fused_forward(value_block, dtype, beta_dtype, 128, states)
     compile_inverse(128, "bfloat16", "bfloat16", "bfloat16")  # g in bf16 too (test_hopper_inverse.py)
     # the state-only walk the forward and kept-forward tests check against: (h0, states stored, transition)
     for use_initial_state, store, transition in ((True, True, False), (False, False, True), (True, False, False)):
@@ -188,7 +185,7 @@ def compile_walks() -> None:
                              with_transition=transition)
     for value_block in (64, 128):  # tools/walk_timeline.py: the recording walk, storing everything or nothing
         for stored in (True, False):
-            compile_fused_forward(value_block, "bfloat16", "float32", 128, stored, stored, record_timeline=True)
+            compile_fused_forward(value_block, "bfloat16", "float32", 128, stored, record_timeline=True)
     print(f"ours, walks: {time.time() - started:.0f} s", flush=True)
 
 

@@ -128,7 +128,7 @@ def main(argv=None) -> None:
     parser.add_argument("--model", action="store_true", help="with --backward: the op as the model calls it (L2 norm)")
     parser.add_argument("--spread", action="store_true",
                         help="also how chunk periods spread over CTAs and chunks (the slowest CTAs); with --backward "
-                             "the fused walk timed three times beside the two kernels, in this process")
+                             "the fused walk timed three times in this process")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     if args.backward:
@@ -145,7 +145,7 @@ def main(argv=None) -> None:
     options = {name: True for name in args.option}
 
     def run(timeline=None):
-        return walk(store, store, timeline=timeline, **options)
+        return walk(store, timeline=timeline, **options)
 
     stamps = torch.zeros(timeline_shape(plan.pieces.shape[0], heads[1], plan.value_block), dtype=torch.int64,
                          device=plan.pieces.device)
@@ -184,23 +184,23 @@ def backward_timeline(args) -> None:
     import torch
 
     from flashqla.bench import _median_ms, kept_backward_on
-    from flashqla.hopper.backward import fused_walk_pieces
     from flashqla.hopper.backward_fused import TIMELINE_EVENTS, timeline_shape
-    from flashqla.hopper.chunk_plan import device_sm_count
+    from flashqla.hopper.chunk_plan import device_sm_count, plan_forward
+    from flashqla.hopper.fused_forward import MAX_VALUE_BLOCK
 
     heads = tuple(int(h) for h in args.heads.split("/"))
     seq_lens = [int(n) for n in args.lengths.split(",")]
     run = kept_backward_on(heads, seq_lens, like_the_model=args.model)
     bounds = [0, *itertools.accumulate(seq_lens)]
-    pieces = fused_walk_pieces(torch.tensor(bounds, device="cuda"), heads[1], device_sm_count("cuda"), bounds)
+    pieces = plan_forward(torch.tensor(bounds, device="cuda"), heads[1], 128, device_sm_count("cuda"), MAX_VALUE_BLOCK,
+                          host_bounds=bounds).pieces
     stamps = torch.zeros(timeline_shape(pieces.shape[0], heads[1]), dtype=torch.int64, device="cuda")
     times = ""
     if args.spread:  # does the fused walk's time move between runs of one process?
-        run(True)
-        fused = [_median_ms(lambda: run(True), 30) for _ in range(3)]
-        two = _median_ms(lambda: run(False), 30)
-        times = f"; fused {', '.join(f'{t:.3f}' for t in fused)} ms, two kernels {two:.3f} ms"
-    record_and_report(lambda timeline=None: run(True, timeline), stamps,
+        run()
+        fused = [_median_ms(run, 30) for _ in range(3)]
+        times = f"; fused {', '.join(f'{t:.3f}' for t in fused)} ms"
+    record_and_report(run, stamps,
                       lambda plain, recorded: all(torch.equal(a, b) for a, b in zip(plain, recorded)), TIMELINE_EVENTS,
                       f"backward {args.heads} x {args.lengths}{' (the model)' if args.model else ''}, "
                       f"{stamps.shape[0]} CTAs{times}", args, own=("delta", "delta"))

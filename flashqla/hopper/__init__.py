@@ -12,13 +12,12 @@ One file per kernel, in pipeline order:
 - walk_bounds.py: where each piece of a split sequence starts its warm-up (forward) or ends it
   (backward), per head;
 - fused_forward.py: the forward's sequential walk, which builds Ab and P on chip from A~: o, the final
-  state and, for the backward, the chunk states (Ab and P for the two-kernel backward);
+  state and, for the backward, the chunk states;
 - chunk_states.py: the state-only walk (chunk states and K x K transitions; the tests' independent check of
   the states the fused walk stores, and what a cross-GPU split of the op would exchange);
 - backward_fused.py: the backward's reverse walk: the state gradient on chip, dq, dk, dv, dg, dbeta of every
   chunk and dh0;
-- backward_state_grads.py and backward_chunk_grads.py: the same backward in two kernels, the state gradients
-  of every chunk, then the chunk gradients in parallel (backward(fused_reverse=False): the comparison).
+- l2norm.py: the q/k L2 norm's backward where the walk does not apply it, summing each head group as it reads.
 
 Beside the op: causal_conv.py, the GDN layer's short causal conv + SiLU (flashqla/conv.py's kernel).
 

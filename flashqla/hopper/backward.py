@@ -7,33 +7,25 @@
    stays on chip while dq, dk, dv, dg, dbeta of each chunk (§3.2-3.3) and dh0 are made. Sequences
    the forward's plan cut are walked in the same pieces, each from a decay-truncated warm-up after
    its end (walk_bounds.py, docs/gdn-math.md §4).
-3. The backward of the q/k L2 norm when the forward applied it.
-fused_reverse=False runs step 2 as two kernels instead (the bench's and the tests' comparison): the
-state gradients of every chunk (backward_state_grads.py), then the chunk gradients from them in
-parallel (backward_chunk_grads.py), which read Ab and P kept by the forward.
+3. The backward of the q/k L2 norm when the forward applied it (l2norm.py).
 dq and dk come per value head and are summed over each head group in one deterministic pass (no
 atomics): in the L2 norm's backward kernel when the forward applied the norm, else in torch.
 """
 
 import torch
 
-from flashqla.hopper.backward_chunk_grads import chunk_gradients
 from flashqla.hopper.backward_fused import fused_backward_grads
-from flashqla.hopper.backward_state_grads import state_gradients
-from flashqla.hopper.chunk_plan import device_sm_count, flat_cu_seqlens, plan_forward, value_block_size
+from flashqla.hopper.chunk_plan import device_sm_count, flat_cu_seqlens, plan_forward
 from flashqla.hopper.common import DEFAULT_LOG_DECAY_THRESHOLD, HEAD_DIM, unsupported_inputs
 from flashqla.hopper.forward import KeptForward, forward, walk_chunks
-from flashqla.hopper.fused_forward import MAX_VALUE_BLOCK as FORWARD_MAX_VALUE_BLOCK
+from flashqla.hopper.fused_forward import MAX_VALUE_BLOCK
 from flashqla.hopper.l2norm import l2norm_backward
 from flashqla.hopper.walk_bounds import walk_bounds
-
-# Widest V block of the state-gradient walk: narrower blocks give more CTAs on the critical path.
-MAX_VALUE_BLOCK = 64
 
 
 def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seqlens_host: list[int] | None = None,
              kept: KeptForward | None = None, log_decay_threshold: float = DEFAULT_LOG_DECAY_THRESHOLD,
-             q_rstd: torch.Tensor | None = None, k_rstd: torch.Tensor | None = None, fused_reverse: bool = True,
+             q_rstd: torch.Tensor | None = None, k_rstd: torch.Tensor | None = None,
              timeline: torch.Tensor | None = None, norm_in_fused_walk: bool = False):
     """Gradients of (o, final_state) for inputs as given to `forward.forward`.
 
@@ -44,19 +36,16 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seq
     there is no initial state (the gradient a zero initial state would get).
     cu_seqlens_host: cu_seqlens as a list when the caller holds it (the forward's plan is then
     reused from its cache with no device->host read).
-    kept: what `forward.forward(..., keep_for_backward=True)` returned for these inputs; when None (or
-    without Ab and P where fused_reverse is False) the forward runs again to make it.
-    log_decay_threshold: how far the state-gradient walk of a piece may truncate what comes after
-    it (walk_bounds.py); -inf walks every piece from its sequence end, which gives bitwise
-    the gradients of one walk over the whole sequence.
+    kept: what `forward.forward(..., keep_for_backward=True)` returned for these inputs; when None the
+    forward runs again to make it.
+    log_decay_threshold: how far the reverse walk of a piece may truncate what comes after it
+    (walk_bounds.py); -inf walks every piece from its sequence end, which gives bitwise the gradients
+    of one walk over the whole sequence.
     q_rstd, k_rstd (both or neither): q and k are the inputs of use_qk_l2norm_in_kernel's norm and these
     its r, float32 [B * T * Hqk] (what forward.forward(..., normalize_qk=True) returns); the gradients are
     those of the op on q^, k^, carried through the norm to q and k. q and k must then be contiguous (the
     Function saves them so).
-    fused_reverse: steps 2 and 3 in one reverse walk (backward_fused.py: dS stays on chip; 1.09-1.46x the two
-    kernels on the bench's shapes but a ragged batch with the norm, 0.98x, docs/performance.md); False: the
-    state-gradient walk, then the chunk gradients from its dS (bench --compare backward_fused compares them).
-    timeline: the fused walk's clock stamps (backward_fused.timeline_shape for fused_walk_pieces' rows;
+    timeline: the fused walk's clock stamps (backward_fused.timeline_shape for the forward plan's pieces;
     tools/walk_timeline.py). norm_in_fused_walk (candidate, not run on a GPU): the L2 norm's backward inside the
     fused walk where every value head has its own q, k head (else its own kernel after the group sum, as now).
     """
@@ -75,8 +64,7 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seq
     sm_count = device_sm_count(device)
     if cu_seqlens_host is None:
         cu_seqlens_host = cu_seqlens.tolist()
-    # The state-gradient walk's plan (pieces of at most 64 V columns); chunk index and offsets are
-    # the forward's.
+    # the forward's plan, from its cache: its pieces are the reverse walk's (one CTA per piece and value head)
     plan = plan_forward(cu_seqlens, num_v_heads, HEAD_DIM, sm_count, MAX_VALUE_BLOCK, host_bounds=cu_seqlens_host)
 
     # The kernels read bf16 operands; float16 inputs are converted once here.
@@ -86,7 +74,6 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seq
     v_flat, do_flat = flat(v, num_v_heads), flat(do, num_v_heads)
     beta_flat = beta.reshape(num_tokens, num_v_heads).to(torch.float32).contiguous()
 
-    chunk_index, offsets = plan.chunk_index, plan.chunk_offsets
     rstds = None if q_rstd is None else (q_rstd.view(num_tokens, num_qk_heads), k_rstd.view(num_tokens, num_qk_heads))
     # kernel_rstds: the norm the kernels apply on chip. float16 rows are normalised here instead, in float32,
     # and rounded to bf16 once (rounded to bf16 and then normalised on chip they would be rounded twice).
@@ -97,47 +84,30 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seq
         kernel_rstds = None
     else:
         q_flat, k_flat = flat(q, num_qk_heads), flat(k, num_qk_heads)
-    if kept is None or (not fused_reverse and kept.gated_inverse is None):
+    if kept is None:
         # run the forward again, keeping what this backward reads: every piece in parallel
         _, _, kept, *_ = forward(q, k, v, g, beta, scale, initial_state, False, cu_seqlens,
                                  cu_seqlens_host=cu_seqlens_host, keep_for_backward=True,
-                                 normalize_qk=rstds is not None, keep_products=not fused_reverse)
+                                 normalize_qk=rstds is not None)
     # float16 inputs were kept float16: the kernels here read bf16
     gamma = kept.gamma
     inverse = kept.inverse.to(torch.bfloat16)
     if kept.chunk_states is not None:
         states = kept.chunk_states.to(torch.bfloat16)
-    else:  # the forward kept its products but not the states: walk the chunks again, on its plan
+    else:  # the forward kept gamma and A~ but not the states: walk the chunks again, on its plan
         h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
-        forward_plan = plan_forward(cu_seqlens, num_v_heads, HEAD_DIM, sm_count, FORWARD_MAX_VALUE_BLOCK,
-                                    host_bounds=cu_seqlens_host)
-        _, _, states, _, _ = walk_chunks(q_flat, k_flat, v_flat, gamma, beta_flat, inverse, scale, h0, cu_seqlens,
-                                         forward_plan, store_chunk_states=True, rstds=kernel_rstds)
+        _, _, states = walk_chunks(q_flat, k_flat, v_flat, gamma, beta_flat, inverse, scale, h0, cu_seqlens, plan,
+                                   store_chunk_states=True, rstds=kernel_rstds)
 
     if dht is None:
         dht = torch.zeros(num_sequences, num_v_heads, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=device)
     dht = dht.to(torch.float32).contiguous()
-    if fused_reverse:
-        pieces = fused_walk_pieces(cu_seqlens, num_v_heads, sm_count, cu_seqlens_host)
-        walk_end = walk_bounds(gamma, pieces, cu_seqlens, ahead=True, log_decay_threshold=log_decay_threshold)
-        norm_in_walk = norm_in_fused_walk and kernel_rstds is not None and num_v_heads == num_qk_heads
-        dq_head, dk_head, dv, dg, dbeta, dh0 = fused_backward_grads(
-            q_flat, k_flat, v_flat, gamma, beta_flat, inverse, states, do_flat, dht, scale, cu_seqlens, offsets,
-            pieces, walk_end, rstds=kernel_rstds, timeline=timeline, l2norm_backward=norm_in_walk)
-        return _finish(q, k, v, g, beta, dq_head, dk_head, dv, dg, dbeta, dh0, rstds, norm_in_walk, num_qk_heads)
-    gated_inverse, scores = kept.gated_inverse.to(torch.bfloat16), kept.scores.to(torch.bfloat16)
-    walk = state_gradient_walk(plan, gamma, cu_seqlens, cu_seqlens_host, num_v_heads, sm_count, log_decay_threshold)
-    state_grads, dh0 = state_gradients(q_flat, k_flat, gamma, gated_inverse, scores, do_flat, dht, scale,
-                                       cu_seqlens, offsets, chunk_index.shape[0], **walk, rstds=kernel_rstds)
-    # The kernel's epilogues apply the norm's backward per value head: for a group of them that is the same
-    # rows' work repeated. The norm's kernel sums the group as it reads it instead (bench --compare
-    # chunk_grads_l2norm: 1.07-1.20x over the epilogues at 16/32-16/64, the epilogues 1.20x over it at 16/16, 8/8).
-    norm_in_kernel = kernel_rstds is not None and num_v_heads == num_qk_heads
-    dq_head, dk_head, dv, dg, dbeta = chunk_gradients(
-        q_flat, k_flat, v_flat, gamma, beta_flat, inverse, states, state_grads, do_flat, scale, plan.chunk_bounds,
-        **({} if kernel_rstds is None else dict(q_rstd=kernel_rstds[0], k_rstd=kernel_rstds[1],
-                                                 l2norm_backward=norm_in_kernel)))
-    return _finish(q, k, v, g, beta, dq_head, dk_head, dv, dg, dbeta, dh0, rstds, norm_in_kernel, num_qk_heads)
+    walk_end = walk_bounds(gamma, plan.pieces, cu_seqlens, ahead=True, log_decay_threshold=log_decay_threshold)
+    norm_in_walk = norm_in_fused_walk and kernel_rstds is not None and num_v_heads == num_qk_heads
+    dq_head, dk_head, dv, dg, dbeta, dh0 = fused_backward_grads(
+        q_flat, k_flat, v_flat, gamma, beta_flat, inverse, states, do_flat, dht, scale, cu_seqlens,
+        plan.chunk_offsets, plan.pieces, walk_end, rstds=kernel_rstds, timeline=timeline, l2norm_backward=norm_in_walk)
+    return _finish(q, k, v, g, beta, dq_head, dk_head, dv, dg, dbeta, dh0, rstds, norm_in_walk, num_qk_heads)
 
 
 def _finish(q, k, v, g, beta, dq_head, dk_head, dv, dg, dbeta, dh0, rstds, norm_in_kernel: bool, num_qk_heads: int):
@@ -167,23 +137,3 @@ def sum_over_groups(head_grads: torch.Tensor, num_qk_heads: int, dtype: torch.dt
         return head_grads
     sum_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
     return head_grads.view(num_tokens, num_qk_heads, num_v_heads // num_qk_heads, width).sum(2, dtype=sum_dtype)
-
-
-def fused_walk_pieces(cu_seqlens, num_v_heads: int, sm_count: int, cu_seqlens_host: list[int]) -> torch.Tensor:
-    """The fused reverse walk's pieces (one CTA per piece and value head, all V columns): the forward walk's, from
-    plan_forward's cache, so a call copies nothing to the device (a host->device copy waits for the GPU)."""
-    return plan_forward(cu_seqlens, num_v_heads, HEAD_DIM, sm_count, FORWARD_MAX_VALUE_BLOCK,
-                        host_bounds=cu_seqlens_host).pieces
-
-
-def state_gradient_walk(plan, gamma, cu_seqlens, cu_seqlens_host: list[int], num_v_heads: int, sm_count: int,
-                        log_decay_threshold: float = DEFAULT_LOG_DECAY_THRESHOLD) -> dict:
-    """How `state_gradients` walks for this forward plan, as its keyword arguments: in the plan's
-    pieces, each from its decay-truncated warm-up end (walk_bounds.py), where the forward cut
-    sequences; else one CTA per whole sequence and V block, as wide as the SM count allows."""
-    if plan.max_walk_back > 0:
-        return dict(value_block=plan.value_block, pieces=plan.pieces,
-                    walk_end=walk_bounds(gamma, plan.pieces, cu_seqlens, ahead=True,
-                                         log_decay_threshold=log_decay_threshold))
-    busy_sequences = max(sum(b > a for a, b in zip(cu_seqlens_host, cu_seqlens_host[1:])), 1)
-    return dict(value_block=value_block_size(busy_sequences, num_v_heads, HEAD_DIM, sm_count, MAX_VALUE_BLOCK))

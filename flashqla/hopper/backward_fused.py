@@ -805,7 +805,7 @@ def fused_backward_grads(q, k, v, gamma, beta, inverse, chunk_states, do, dht, s
 
     q, k: [T, Hqk, 128]; v, do: [T, Hv, 128]; gamma (chunk-local cumsum), beta: float32 [T, Hv]; inverse (A~):
     [T, Hv, 64]; chunk_states: [num_chunks, Hv, 128, 128] entering every chunk; dht: float32 [N, Hv, 128, 128];
-    cu_seqlens, offsets: int32 [N + 1]; pieces: any piece plan's rows (backward.fused_walk_pieces); walk_end: their
+    cu_seqlens, offsets: int32 [N + 1]; pieces: any piece plan's rows (the forward plan's, backward.py); walk_end: their
     walk_bounds(ahead=True). rstds: (q_rstd, k_rstd) float32 [T, Hqk] when q, k are the L2 norm's inputs: dq, dk
     are then those of q^, k^ (the norm's backward is the caller's), or with l2norm_backward (Hv = Hqk only) those
     of q, k. timeline: int64 [P * Hv, 4, TIMELINE_CHUNKS, slots] (timeline_shape) to fill with the clock at each

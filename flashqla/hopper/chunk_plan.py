@@ -258,7 +258,7 @@ def walk_starts(pieces: torch.Tensor, cu_seqlens: torch.Tensor, gamma: torch.Ten
 
 def walk_ends(pieces: torch.Tensor, cu_seqlens: torch.Tensor, gamma: torch.Tensor,
               log_decay_threshold: float = DEFAULT_LOG_DECAY_THRESHOLD, chunk_size: int = CHUNK_SIZE) -> torch.Tensor:
-    """int32 [P, H]: the token where each (piece, head) CTA of the backward's state-gradient walk
+    """int32 [P, H]: the token where each (piece, head) CTA of the backward's reverse walk
     starts walking back from; the torch definition of walk_bounds.walk_bounds(ahead=True). The
     mirror of walk_starts: the gradient leaving a piece is rebuilt from zero over the n chunks after
     it, n the fewest whose summed decay is <= log_decay_threshold, else from the sequence end

@@ -15,9 +15,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from flashqla.hopper.backward_chunk_grads import compile_chunk_grads
 from flashqla.hopper.backward_fused import compile_fused_backward
-from flashqla.hopper.backward_state_grads import compile_state_grads
 from flashqla.hopper.causal_conv import compile_conv_backward, compile_conv_forward
 from flashqla.hopper.chunk_states import compile_chunk_states
 from flashqla.hopper.fused_forward import compile_fused_forward
@@ -29,16 +27,9 @@ COMPILE_CHECKS = [
     ("chunk_inverse", lambda: compile_inverse()),
     ("chunk_inverse_normalizing_qk", lambda: compile_inverse(normalize_qk=True)),
     ("fused_forward", lambda: compile_fused_forward(64)),
-    ("fused_forward_keeping_all", lambda: compile_fused_forward(128, store_chunk_states=True, store_products=True)),
-    ("fused_forward_normalizing_qk", lambda: compile_fused_forward(128, "bfloat16", "bfloat16", store_products=True,
-                                                                   normalize_qk=True)),
+    ("fused_forward_keeping_states", lambda: compile_fused_forward(128, store_chunk_states=True)),
+    ("fused_forward_normalizing_qk", lambda: compile_fused_forward(128, "bfloat16", "bfloat16", normalize_qk=True)),
     ("chunk_states", lambda: compile_chunk_states(64, with_transition=True)),
-    ("backward_state_grads", lambda: compile_state_grads(32)),
-    ("backward_state_grads_pieces", lambda: compile_state_grads(64, pieces=True)),
-    ("backward_state_grads_normalizing_qk", lambda: compile_state_grads(64, pieces=True, normalize_qk=True)),
-    ("backward_chunk_grads", compile_chunk_grads),
-    ("backward_chunk_grads_normalizing_qk", lambda: compile_chunk_grads(normalize_qk=True)),
-    ("backward_chunk_grads_l2norm", lambda: compile_chunk_grads(normalize_qk=True, l2norm_backward=True)),
     ("backward_fused", compile_fused_backward),
     ("backward_fused_normalizing_qk", lambda: compile_fused_backward(normalize_qk=True)),
     ("backward_fused_l2norm", lambda: compile_fused_backward(normalize_qk=True, l2norm_backward=True)),

@@ -5,7 +5,7 @@
    value head, in parallel.
 3. `walk_bounds.py`: where each (piece, head) starts its decay-truncated warm-up (docs/gdn-math.md §4).
 4. `fused_forward.py`: the sequential walk over the chunks, building Ab and P on chip: o, the final
-   state and, with `keep_for_backward`, the state entering every chunk (and Ab, P with `keep_products`).
+   state and, with `keep_for_backward`, the state entering every chunk.
 """
 from typing import NamedTuple
 
@@ -22,21 +22,16 @@ class KeptForward(NamedTuple):
     """What the forward can hand the backward so that it recomputes nothing (`forward(...,
     keep_for_backward=True)`): T * Hv * (128 + 4) bytes plus one state per chunk and value head (T * Hv * 512
     bytes) in the inputs' dtype. Without the chunk states (keep_chunk_states=False) the backward walks the
-    chunks again for them (`walk_chunks`). Ab and P (T * Hv * 256 bytes more) only with keep_products: the
-    two-kernel backward reads them (backward(..., fused_reverse=False)), the fused reverse walk makes them on
-    chip."""
+    chunks again for them (`walk_chunks`). Ab and P are never kept: the reverse walk makes them on chip."""
 
     gamma: torch.Tensor                # float32 [T, Hv]: chunk-local cumsum of g
-    gated_inverse: torch.Tensor | None  # [T, Hv, 64]: Ab
-    scores: torch.Tensor | None        # [T, Hv, 64]: P
     inverse: torch.Tensor              # [T, Hv, 64]: A~
     chunk_states: torch.Tensor | None  # [num_chunks, Hv, 128, 128]: the state entering every chunk
 
 
 def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
             log_decay_threshold: float = DEFAULT_LOG_DECAY_THRESHOLD, cu_seqlens_host: list[int] | None = None,
-            keep_for_backward: bool = False, keep_chunk_states: bool = True, normalize_qk: bool = False,
-            keep_products: bool = False):
+            keep_for_backward: bool = False, keep_chunk_states: bool = True, normalize_qk: bool = False):
     """(o, final_state or None) for q, k [B, T, Hqk, 128], v [B, T, Hv, 128], g, beta [B, T, Hv], with a
     KeptForward next when keep_for_backward and (q_rstd, k_rstd) last when normalize_qk.
 
@@ -46,7 +41,7 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
     the forward's only device->host sync.
     keep_for_backward: also return a KeptForward, which `backward.backward(..., kept=...)` takes
     instead of recomputing the inverse and the chunk states; keep_chunk_states=False leaves the states out of
-    it (T * Hv * 512 bytes); keep_products adds Ab and P, which only the two-kernel backward reads.
+    it (T * Hv * 512 bytes).
     normalize_qk: the recurrence of L2-normalised q and k (use_qk_l2norm_in_kernel): the inverse's kernel
     makes the norm's r (float32 [B * T * Hqk] each, returned for the backward) and the kernels apply it to q
     and k on chip; q^ and k^ are never written.
@@ -80,24 +75,22 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
         normalize_q=q_flat if normalize_qk else None)
     rstds = rstds[0] if normalize_qk else None
     h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
-    o, final_state, chunk_states, gated_inverse, scores = walk_chunks(
+    o, final_state, chunk_states = walk_chunks(
         q_flat, k_flat, v_flat, gamma, beta_flat, inverse, scale, h0, cu_seqlens, plan, log_decay_threshold,
-        store_chunk_states=keep_for_backward and keep_chunk_states, store_products=keep_for_backward and keep_products,
-        rstds=rstds)
+        store_chunk_states=keep_for_backward and keep_chunk_states, rstds=rstds)
     o = o.view(batch_size, seq_len, num_v_heads, head_dim)
     final_state = final_state if output_final_state else None
-    kept = [KeptForward(gamma, gated_inverse, scores, inverse, chunk_states)] if keep_for_backward else []
+    kept = [KeptForward(gamma, inverse, chunk_states)] if keep_for_backward else []
     flat_rstds = [tuple(r.view(-1) for r in rstds)] if normalize_qk else []
     return o, final_state, *kept, *flat_rstds
 
 
 def walk_chunks(q_flat, k_flat, v_flat, gamma, beta_flat, inverse, scale, h0, cu_seqlens, plan: ForwardPlan,
                 log_decay_threshold: float = DEFAULT_LOG_DECAY_THRESHOLD, store_chunk_states: bool = False,
-                store_products: bool = False, rstds: tuple | None = None):
+                rstds: tuple | None = None):
     """Steps 3-4 on flattened inputs ([T, H, 128]; h0 float32 or None): the warm-up starts of the
-    plan's pieces, then the fused walk. (o, final_state, chunk states, Ab, P; each of the last three
-    None unless stored). rstds: (q_rstd, k_rstd) [T, Hqk] when q and k are the L2 norm's inputs."""
+    plan's pieces, then the fused walk: (o, final_state, the chunk states or None unless stored). rstds: (q_rstd, k_rstd) [T, Hqk] when q and k are the L2 norm's inputs."""
     walk = walk_bounds(gamma, plan.pieces, cu_seqlens, ahead=False, log_decay_threshold=log_decay_threshold)
     return fused_forward(q_flat, k_flat, v_flat, gamma, beta_flat, inverse, scale, h0, cu_seqlens, plan.value_block,
-                         plan.pieces, walk, store_chunk_states=store_chunk_states, store_products=store_products,
+                         plan.pieces, walk, store_chunk_states=store_chunk_states,
                          offsets=plan.chunk_offsets, num_chunks=plan.chunk_index.shape[0], rstds=rstds)

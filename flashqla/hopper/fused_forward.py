@@ -1,4 +1,4 @@
-"""The forward's sequential walk: o, the final state, and for the backward the chunk states, Ab and P
+"""The forward's sequential walk: o, the final state, and for the backward the chunk states
 (docs/gdn-math.md §2.3).
 
 One CTA per (piece, value head, V block) walks 64-token chunks in order with the fp32 state S
@@ -18,7 +18,7 @@ threads, one CTA per SM):
 - warpgroup 1 makes the decays, -Ab D (in registers), X, Y, then Delta and E Delta;
 - warpgroup 2 makes P and Ab (in place of A~) from one Gm, then O = scale D Q S0 + P Delta;
 - warpgroup 3: one warp each loads q/k, v/beta and A~/gamma (double-buffered, TMA for the tiles),
-  the fourth stores the chunk states, then for the backward Ab and P, then o.
+  the fourth stores the chunk states for the backward, then o.
 
 No role waits for a whole chunk to end: the walk's chain is warpgroup 0's copy of S, warpgroup
 1's Y S0 and warpgroup 0's update, while warpgroup 2's output and the stores of chunk c
@@ -74,7 +74,7 @@ TIMELINE_EVENTS = {
               "state_ready", "y_s0", "delta_handed"),
     "output": ("top", "tiles", "qk", "gm", "a_read", "ab_handed", "p_stored", "state_ready", "q_s0", "decays",
                "delta_ready", "p_delta", "o_free", "o_handed"),
-    "store": ("top", "state_ready", "state_stored", "products_stored", "o_ready", "o_stored"),
+    "store": ("top", "state_ready", "state_stored", "o_ready", "o_stored"),
 }
 TIMELINE_CHUNKS = 64
 _TIMELINE_SLOTS = max(len(events) for events in TIMELINE_EVENTS.values())
@@ -83,15 +83,13 @@ _ROLE_LEADERS = {"state": 0, "delta": WARPGROUP, "output": 2 * WARPGROUP, "store
 
 def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype: str = "float32",
                                  head_dim: int = HEAD_DIM, store_chunk_states: bool = False,
-                                 store_products: bool = False, record_timeline: bool = False,
-                                 normalize_qk: bool = False):
+                                 record_timeline: bool = False, normalize_qk: bool = False):
     """record_timeline: also write the clock at every TIMELINE_EVENTS point (a diagnostic: same outputs).
     normalize_qk: q and k are the L2 norm's inputs, q_rstd and k_rstd its r (else they are not read)."""
     num_tokens = T.dynamic("num_tokens")
     num_sequences = T.dynamic("num_sequences")
     num_pieces = T.dynamic("num_pieces")
     num_chunks = T.dynamic("num_chunks")
-    product_rows = T.dynamic("product_rows")
     timeline_ctas = T.dynamic("timeline_ctas")
     rstd_rows = T.dynamic("rstd_rows")
     num_v_heads = T.dynamic("num_v_heads")
@@ -244,7 +242,6 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
             stamp(timeline, cta, "output", c, "ab_handed")
             T.copy(qk, sh.p[stage, :, :])
             T.fence_proxy_async()
-            T.barrier_arrive(sh.products_ready[stage])
             stamp(timeline, cta, "output", c, "p_stored")
             T.barrier_wait(sh.state_ready[stage], (c // 2) % 2)
             stamp(timeline, cta, "output", c, "state_ready")
@@ -312,20 +309,8 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
             T.barrier_arrive(sh.tiles_full[stage])
 
     @T.macro
-    def store_ab_p(sh, cta, stage, left, last, own, gated_inverse, scores):
-        """Ab and P of the chunk in this stage (the first V block's CTA only: they do not depend on V)."""
-        if store_products and own and cta.vb == 0 and left + _C <= cta.end:
-            T.copy(sh.a[stage, :, :], gated_inverse[left:left + _C, cta.head, 0:_C])
-            T.copy(sh.p[stage, :, :], scores[left:left + _C, cta.head, 0:_C])
-        if store_products and own and cta.vb == 0 and left + _C > cta.end:
-            for t, s in T.Parallel(_C, _C):
-                if t <= last:
-                    gated_inverse[left + t, cta.head, s] = sh.a[stage, t, s]
-                    scores[left + t, cta.head, s] = sh.p[stage, t, s]
-
-    @T.macro
-    def store_outputs(sh, cta, o, chunk_states, gated_inverse, scores, timeline):
-        """The store warp: o, the chunk states, Ab and P of the piece's own chunks."""
+    def store_outputs(sh, cta, o, chunk_states, timeline):
+        """The store warp: o and the chunk states of the piece's own chunks."""
         for c in T.serial(cta.n_chunks):
             stage = c % 2
             left = cta.walk + c * _C
@@ -339,11 +324,6 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
                                               0:K, cta.v0:cta.v0 + BV])
             T.barrier_arrive(sh.state_free[stage])
             stamp(timeline, cta, "store", c, "state_stored")
-            # Ab and P before o: they are ready first, and every role waits for this warp to free the stage
-            if store_products:
-                T.barrier_wait(sh.products_ready[stage], (c // 2) % 2)
-                store_ab_p(sh, cta, stage, left, last, own, gated_inverse, scores)
-            stamp(timeline, cta, "store", c, "products_stored")
             T.barrier_wait(sh.o_ready[stage], (c // 2) % 2)
             stamp(timeline, cta, "store", c, "o_ready")
             if own and left + _C <= cta.end:
@@ -372,8 +352,6 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
         o: T.Tensor((num_tokens, num_v_heads, head_dim), dtype),
         final_state: T.Tensor((num_sequences, num_v_heads, K, head_dim), "float32"),
         chunk_states: T.Tensor((num_chunks, num_v_heads, K, head_dim), dtype),
-        gated_inverse: T.Tensor((product_rows, num_v_heads, _C), dtype),
-        scores: T.Tensor((product_rows, num_v_heads, _C), dtype),
         timeline: T.Tensor((timeline_ctas, len(TIMELINE_EVENTS), TIMELINE_CHUNKS, _TIMELINE_SLOTS), "int64"),
         q_rstd_rows: T.Tensor((rstd_rows, num_qk_heads), "float32"),
         k_rstd_rows: T.Tensor((rstd_rows, num_qk_heads), "float32"),
@@ -423,7 +401,6 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
                 o_free=T.alloc_barrier(arrive_count=[32] * 2),
                 a_read=T.alloc_barrier(arrive_count=[WARPGROUP] * 2),           # warpgroup 1 has read A~
                 ab_ready=T.alloc_barrier(arrive_count=[WARPGROUP] * 2),
-                products_ready=T.alloc_barrier(arrive_count=[WARPGROUP] * 2),   # Ab and P, for the store warp
             )
             tx = T.get_thread_binding()
             if tx < WARPGROUP:
@@ -441,7 +418,7 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
                 elif tx < 3 * WARPGROUP + 96:
                     load_inverse_gamma(sh, cta, inverse, gamma)
                 else:
-                    store_outputs(sh, cta, o, chunk_states, gated_inverse, scores, timeline)
+                    store_outputs(sh, cta, o, chunk_states, timeline)
 
     return fused_forward_kernel
 
@@ -449,20 +426,19 @@ def fused_forward_program(value_block: int, dtype: str = "bfloat16", beta_dtype:
 @functools.lru_cache(maxsize=None)
 def compile_fused_forward(value_block: int, dtype: str = "bfloat16", beta_dtype: str = "float32",
                                  head_dim: int = HEAD_DIM, store_chunk_states: bool = False,
-                                 store_products: bool = False, record_timeline: bool = False,
-                                 normalize_qk: bool = False):
+                                 record_timeline: bool = False, normalize_qk: bool = False):
     program = fused_forward_program(value_block, dtype, beta_dtype, head_dim, store_chunk_states,
-                                           store_products, record_timeline, normalize_qk)
+                                           record_timeline, normalize_qk)
     return compile_for_hopper(program, fast_math=True)
 
 
 def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma: torch.Tensor,
                          beta: torch.Tensor, inverse: torch.Tensor, scale: float, initial_state: torch.Tensor | None,
                          cu_seqlens: torch.Tensor, value_block: int, pieces: torch.Tensor, walk_start: torch.Tensor,
-                         store_chunk_states: bool = False, store_products: bool = False,
+                         store_chunk_states: bool = False,
                          offsets: torch.Tensor | None = None, num_chunks: int | None = None,
                          timeline: torch.Tensor | None = None, rstds: tuple | None = None):
-    """(o, final_state, chunk_states or None, gated_inverse or None, scores or None) on flattened inputs.
+    """(o, final_state, chunk_states or None) on flattened inputs.
 
     q, k: [T, Hqk, K]; v: [T, Hv, V]; gamma (fp32 chunk-local cumsum), beta: [T, Hv]; inverse: the
     gate-free A~, [T, Hv, 64] in q's dtype; initial_state: [N, Hv, K, V] fp32 or None; cu_seqlens:
@@ -470,7 +446,6 @@ def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma: torc
     store_chunk_states: also return the state entering every chunk, [num_chunks, Hv, K, V] in v's
     dtype (chunk c of sequence n at row offsets[n] + c); in a split sequence each piece's states come
     from its own (warm-up) walk. num_chunks: offsets' last entry when the caller knows it.
-    store_products: also return Ab and P, [T, Hv, 64] each in v's dtype, which the backward reads.
     timeline: int64 [CTAs, 4, TIMELINE_CHUNKS, slots] (timeline_shape) to fill with the clock at each role's
     TIMELINE_EVENTS (the kernel built with record_timeline; tools/walk_timeline.py). Outputs are unchanged.
     rstds: (q_rstd, k_rstd), float32 [T, Hqk] each, when q and k are the inputs of use_qk_l2norm_in_kernel's
@@ -492,9 +467,6 @@ def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma: torc
     else:  # num_chunks (the plan's) spares a device->host read
         total_chunks = int(offsets[-1].item()) if num_chunks is None else num_chunks
     states = torch.empty(max(total_chunks, 1), num_v_heads, head_dim, head_dim, dtype=v.dtype, device=device)
-    product_rows = num_tokens if store_products else 1
-    gated_inverse = torch.empty(product_rows, num_v_heads, _C, dtype=v.dtype, device=device)
-    scores = torch.empty_like(gated_inverse)
     o = torch.empty_like(v)
     if timeline is None:
         clock = _unrecorded_timeline(device)
@@ -505,13 +477,12 @@ def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma: torc
                              f"{list(timeline.shape)}")
         clock = timeline
     kernel = compile_fused_forward(value_block, dtype_name(v), dtype_name(beta), head_dim,
-                                          store_chunk_states, store_products, timeline is not None, rstds is not None)
+                                          store_chunk_states, timeline is not None, rstds is not None)
     if rstds is None:
         rstds = (_unread_rstds(device, num_qk_heads),) * 2
     kernel(q, k, v, gamma, beta, inverse, initial_state, cu_seqlens, offsets, pieces, walk_start, o, final_state,
-           states, gated_inverse, scores, clock, *rstds, float(scale), int(use_initial_state))
-    return (o, final_state, states if store_chunk_states else None,
-            gated_inverse if store_products else None, scores if store_products else None)
+           states, clock, *rstds, float(scale), int(use_initial_state))
+    return o, final_state, states if store_chunk_states else None
 
 
 @functools.cache

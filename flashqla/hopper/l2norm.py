@@ -4,8 +4,8 @@ y = x * r with r = (sum(x^2) + eps)^(-1/2) over the last dim, in float32 and rou
 gradient dx = r * (dy - y * sum(y * dy)), which needs x and r (4 bytes a row): y is made again from them,
 the same bits. The op makes r inside the inverse's kernel (inverse.py, normalize_qk, the same arithmetic
 and bits) and never writes y: the forward here is its reference and the bench's unfused stage. The
-backward runs here for grouped value heads, summing each group's gradients as it reads them, and for
-float16 inputs; else inside the chunk-gradient kernel's epilogues (backward.py says why).
+backward runs here after the fused reverse walk, summing each head group's gradients as it reads them
+(backward.py; `norm_in_fused_walk`, a candidate, applies it inside the walk where Hv = Hqk).
 
 Rows of 128 elements; 16 threads a row, each with 8 neighbouring elements (one 16-byte load), so a
 warp reads two whole rows per instruction and a row's sum is four xor-shuffles inside its 16 lanes.

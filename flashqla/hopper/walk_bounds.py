@@ -1,4 +1,4 @@
-"""Where each piece's CTA starts the forward's walk, or ends the backward's state-gradient walk: the
+"""Where each piece's CTA starts the forward's walk, or ends the backward's reverse walk: the
 decay-truncated warm-up of docs/gdn-math.md §4 in one kernel. Its torch definition,
 chunk_plan.walk_starts / walk_ends, took 0.30-0.61 ms a forward + backward at the bench's cut shapes
 on the H200 (a dozen small ops); this takes 0.011-0.016 ms, bitwise the same bounds

@@ -258,13 +258,16 @@ def test_empty_sequences_do_not_stop_a_long_one_from_being_cut():
     assert [r[0] for r in rows if r[3] == 1] == list(range(17))
 
 
-def test_fused_walk_pieces_come_from_the_cached_forward_plan():
-    from flashqla.hopper.backward import fused_walk_pieces
+def test_the_reverse_walk_reuses_the_cached_forward_plan():
+    """backward.py walks the forward plan's pieces, from plan_forward's cache: with the host bounds given, the next
+    call returns the same tensors (nothing copied to the device, which would wait for the GPU)."""
+    from flashqla.hopper.fused_forward import MAX_VALUE_BLOCK
 
     bounds = [0, 32768, 40000, 40001]
     cu = torch.tensor(bounds, dtype=torch.int32)
-    pieces = fused_walk_pieces(cu, 8, 132, bounds)
-    # the same rows as a plan of 8 heads x one V block (all 128 columns a CTA) ...
-    assert pieces.tolist() == plan_pieces(cu, 8, 1, 132, host_bounds=bounds).tolist()
-    # ... and the same tensor on the next call: nothing is copied to the device again
-    assert fused_walk_pieces(cu, 8, 132, bounds) is pieces
+    plan = plan_forward(cu, 8, 128, 132, MAX_VALUE_BLOCK, host_bounds=bounds)
+    # 8 heads x one V block (all 128 columns a CTA, as the reverse walk's CTAs take them) ...
+    assert plan.value_block == 128
+    assert plan.pieces.tolist() == plan_pieces(cu, 8, 1, 132, host_bounds=bounds).tolist()
+    # ... and the same tensor on the next call
+    assert plan_forward(cu, 8, 128, 132, MAX_VALUE_BLOCK, host_bounds=bounds).pieces is plan.pieces

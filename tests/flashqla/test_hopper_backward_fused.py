@@ -1,7 +1,8 @@
 """GPU tests of the backward in one reverse walk (flashqla/hopper/backward_fused.py, the op's backward): every
-gradient against autograd through the float64 chunked reference on the backward's grid, against the
-two-kernel backward where sequences are cut into pieces and where q, k go through the in-kernel L2 norm (also
-with the norm's backward inside the walk), and bitwise determinism."""
+gradient against autograd through the float64 chunked reference on the backward's grid; with q, k through the
+in-kernel L2 norm, against the walk on q^, k^ carried through the norm's backward in float64 (and the candidate
+with the norm's backward inside the walk against the walk); bitwise determinism. Pieces:
+test_hopper_backward_pieces.py."""
 import pytest
 import torch
 
@@ -10,19 +11,19 @@ from hopper_grid import (GRAD_NAMES, HEAD_IDS, HEAD_LAYOUTS, LENGTHS, RAGGED, as
                          float64_gradients, make_backward_inputs, on_hopper, poison_allocator, sequence_head_errors)
 
 
-def run_backward(inputs, do, dht, fused_reverse=True, **keywords):
+def run_backward(inputs, do, dht, **keywords):
     from flashqla.hopper.backward import backward
 
     poison_allocator()
     return backward(inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"], 128 ** -0.5,
-                    inputs["initial_state"], inputs["cu_seqlens"], do, dht, fused_reverse=fused_reverse, **keywords)
+                    inputs["initial_state"], inputs["cu_seqlens"], do, dht, **keywords)
 
 
-def assert_close_to_two_kernels(fused, two_kernels, seq_lens, bound=1e-2):
-    """Every gradient of the fused walk within `bound` (relative L2) of the two-kernel backward's, whole and
-    per (sequence, head) within 2 x bound; the worst of each in the message."""
+def assert_close(ours, other, seq_lens, bound=1e-2):
+    """Every gradient of ours within `bound` (relative L2) of other's, whole and per (sequence, head) within
+    2 x bound; the worst of each in the message."""
     failures = []
-    for name, a, b in zip(GRAD_NAMES, fused, two_kernels):
+    for name, a, b in zip(GRAD_NAMES, ours, other):
         whole = float(relative_error(a, b))
         slices = sequence_head_errors(a, b, None if name == "dh0" else seq_lens)
         if not (whole <= bound and slices.worst <= 2 * bound):  # also catches NaN
@@ -52,19 +53,6 @@ def test_fused_backward_strong_decay(heads, lengths):
     assert_close_to_reference(run_backward(inputs, do, dht), float64_gradients(inputs, do, dht), LENGTHS[lengths])
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not on_hopper, reason="needs an SM90 (Hopper) GPU")
-@pytest.mark.parametrize("threshold", [-10.0, float("-inf")], ids=["truncated", "exact"])
-@pytest.mark.parametrize("seq_lens", [[65536], [40000, 3, 24000]], ids=["1x65536", "three"])
-def test_fused_backward_in_pieces_matches_two_kernels(seq_lens, threshold):
-    """2/8 heads: sequences long enough for the plan to cut them into pieces with warm-ups; the two-kernel
-    backward walks the same truncation."""
-    inputs, do, dht = make_backward_inputs(seq_lens, 2, 8, True)
-    fused = run_backward(inputs, do, dht, log_decay_threshold=threshold)
-    two_kernels = run_backward(inputs, do, dht, fused_reverse=False, log_decay_threshold=threshold)
-    assert_close_to_two_kernels(fused, two_kernels, seq_lens)
-
-
 def unnormalised_inputs_and_rstds(lengths, heads):
     """The backward's inputs with q, k of norms from 0.1 to 10, and their L2 norm's r as backward takes them."""
     from flashqla.hopper.l2norm import l2_normalized
@@ -77,29 +65,44 @@ def unnormalised_inputs_and_rstds(lengths, heads):
     return inputs, do, dht, {f"{name}_rstd": l2_normalized(inputs[name])[1] for name in ("q", "k")}
 
 
+def through_the_norm(grads, inputs, rstds):
+    """The gradients of q^, k^ (grads' first two) carried to q, k through the L2 norm in float64:
+    dx = r (dy - y <y, dy>) with y = r x, per row; the others as they are."""
+    carried = []
+    for dy, x, r in zip(grads[:2], (inputs["q"], inputs["k"]), (rstds["q_rstd"], rstds["k_rstd"])):
+        r = r.double().view(x.shape[:3])[..., None]
+        y, dy = x.double() * r, dy.double()
+        carried.append(r * (dy - y * (y * dy).sum(-1, keepdim=True)))
+    return (*carried, *grads[2:])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not on_hopper, reason="needs an SM90 (Hopper) GPU")
 @pytest.mark.parametrize("heads", [(16, 16), (2, 8)], ids=["16_16", "2_8"])
-def test_fused_backward_with_the_l2_norm_matches_two_kernels(heads):
-    """q, k unnormalised (norms from 0.1 to 10) with the norm's r: the walk folds r into its factors."""
+def test_fused_backward_with_the_l2_norm_matches_the_walk_on_normalised_inputs(heads):
+    """q, k unnormalised (norms from 0.1 to 10) with the norm's r: the walk folds r into its factors, and the
+    norm's kernel carries dq, dk back (summing each head group at 2/8); against the walk on q^, k^ made in float32
+    and rounded to bf16, its dq^, dk^ carried through the norm in float64."""
     inputs, do, dht, rstds = unnormalised_inputs_and_rstds(RAGGED, heads)
-    fused = run_backward(inputs, do, dht, **rstds)
-    two_kernels = run_backward(inputs, do, dht, fused_reverse=False, **rstds)
-    assert_close_to_two_kernels(fused, two_kernels, RAGGED)
+    ours = run_backward(inputs, do, dht, **rstds)
+    normalised = dict(inputs)
+    for name in ("q", "k"):
+        r = rstds[f"{name}_rstd"].view(inputs[name].shape[:3])[..., None]
+        normalised[name] = (inputs[name].float() * r).to(torch.bfloat16)
+    assert_close(ours, through_the_norm(run_backward(normalised, do, dht), inputs, rstds), RAGGED)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not on_hopper, reason="needs an SM90 (Hopper) GPU")
 @pytest.mark.parametrize("lengths", [RAGGED, [8192]], ids=["ragged", "1x8192"])
 @pytest.mark.parametrize("heads", [(16, 16), (4, 4)], ids=["16_16", "4_4"])
-def test_the_norms_backward_in_the_walk_matches_two_kernels(heads, lengths):
+def test_the_norms_backward_in_the_walk_matches_its_own_kernel(heads, lengths):
     """norm_in_fused_walk: dq, dk through the norm on chip (the first half of dq waits in shared memory for the
-    row dot of both), on full chunks (stored by TMA) and partial ones (by the threads), against the two kernels,
-    whose chunk gradients apply the norm's backward in their own epilogue at these layouts."""
+    row dot of both), on full chunks (stored by TMA) and partial ones (by the threads), against the walk followed
+    by the norm's own kernel (the op's path)."""
     inputs, do, dht, rstds = unnormalised_inputs_and_rstds(lengths, heads)
     in_walk = run_backward(inputs, do, dht, norm_in_fused_walk=True, **rstds)
-    two_kernels = run_backward(inputs, do, dht, fused_reverse=False, **rstds)
-    assert_close_to_two_kernels(in_walk, two_kernels, lengths)
+    assert_close(in_walk, run_backward(inputs, do, dht, **rstds), lengths)
 
 
 @pytest.mark.gpu

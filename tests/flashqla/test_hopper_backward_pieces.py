@@ -1,8 +1,8 @@
-"""The state-gradient walk in pieces (`hopper.backward` on sequences the forward's plan cuts): each
-piece's CTA starts from a decay-truncated warm-up after its piece (walk_bounds.py) instead of
-one CTA walking the whole sequence.
+"""The reverse walk in pieces (`hopper.backward` on sequences the forward's plan cuts): each piece's CTA
+starts from a decay-truncated warm-up after its piece (walk_bounds.py) instead of one CTA walking the
+whole sequence.
 
-With the exact threshold (-inf) the pieces give bitwise the whole-sequence walk's state gradients;
+With the exact threshold (-inf) the pieces give bitwise the whole-sequence walk's gradients;
 with the default threshold every gradient stays within the float64 tolerance on sequences the planner
 cuts (strong decay, heads that never decay, h0 on and off, several sequences), deterministic.
 """
@@ -33,9 +33,9 @@ def backward_with(inputs, do, dht, exact: bool = False, kept=None):
 
 
 def _plan(inputs):
-    """The state-gradient walk's plan of backward.py for these inputs."""
+    """The forward's plan for these inputs, whose pieces the reverse walk walks (backward.py)."""
     from flashqla.hopper.chunk_plan import device_sm_count, plan_forward
-    from flashqla.hopper.backward import MAX_VALUE_BLOCK
+    from flashqla.hopper.fused_forward import MAX_VALUE_BLOCK
 
     cu = inputs["cu_seqlens"]
     return plan_forward(cu, inputs["g"].shape[2], 128, device_sm_count(cu.device), MAX_VALUE_BLOCK)
@@ -44,26 +44,31 @@ def _plan(inputs):
 @pytest.mark.parametrize("case", list(CUT_CASES))
 def test_exact_pieces_give_bitwise_the_whole_sequence_walk(case):
     """Threshold -inf starts every piece's walk at its sequence end, so each piece repeats the
-    whole-sequence walk's steps for its own chunks: the same bits."""
-    from flashqla.hopper.backward_state_grads import state_gradients
-    from flashqla.hopper.walk_bounds import walk_bounds
+    whole-sequence walk's steps for its own chunks: the same bits as one piece a sequence."""
+    from flashqla.hopper.backward_fused import fused_backward_grads
     from flashqla.hopper.forward import forward
+    from flashqla.hopper.walk_bounds import walk_bounds
 
     heads, lengths = CUT_CASES[case]
     inputs, do, dht = make_backward_inputs(lengths, *heads, True, strong_decay=True)
     plan = _plan(inputs)
     assert plan.max_walk_back > 0, "the planner did not cut this case"
-    q, k = inputs["q"][0], inputs["k"][0]
+    cu = inputs["cu_seqlens"]
     _, _, kept = forward(inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"], SCALE,
-                         inputs["initial_state"], False, inputs["cu_seqlens"], keep_for_backward=True,
-                         keep_products=True)
-    gamma, ab, p = kept.gamma, kept.gated_inverse, kept.scores
-    args = (q, k, gamma, ab, p, do[0], dht, SCALE, inputs["cu_seqlens"], plan.chunk_offsets,
-            plan.chunk_index.shape[0], plan.value_block)
-    whole = state_gradients(*args)
-    ends = walk_bounds(gamma, plan.pieces, inputs["cu_seqlens"], ahead=True, log_decay_threshold=float("-inf"))
-    pieces = state_gradients(*args, pieces=plan.pieces, walk_end=ends)
-    assert torch.equal(whole[0], pieces[0]) and torch.equal(whole[1], pieces[1])
+                         inputs["initial_state"], False, cu, keep_for_backward=True)
+    bounds = cu.tolist()
+    whole_sequences = torch.tensor([[n, bounds[n], bounds[n + 1], 1] for n in range(len(bounds) - 1)],
+                                   dtype=torch.int32, device=cu.device)
+
+    def walk(pieces):
+        ends = walk_bounds(kept.gamma, pieces, cu, ahead=True, log_decay_threshold=float("-inf"))
+        poison_allocator()
+        return fused_backward_grads(inputs["q"][0], inputs["k"][0], inputs["v"][0], kept.gamma,
+                                    inputs["beta"][0].float().contiguous(), kept.inverse, kept.chunk_states, do[0],
+                                    dht.contiguous(), SCALE, cu, plan.chunk_offsets, pieces, ends)
+
+    for name, whole, pieces in zip(GRAD_NAMES, walk(whole_sequences), walk(plan.pieces)):
+        assert torch.equal(whole, pieces), name
 
 
 @pytest.mark.parametrize("with_initial_state", [True, False], ids=["h0", "no_h0"])

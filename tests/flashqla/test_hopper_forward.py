@@ -43,12 +43,12 @@ def test_forward_matches_float64_reference(heads, lengths, with_initial_state):
 
 @pytest.mark.parametrize("heads", [(16, 64), (2, 8)], ids=["16_64", "2_8"])
 def test_forward_is_bitwise_deterministic(heads):
-    """o, the final state and every kept tensor (the walk's stores of Ab, P and the chunk states)."""
+    """o, the final state and every kept tensor (gamma, A~ and the walk's chunk states)."""
     inputs = make_inputs(RAGGED + [4096], *heads, with_initial_state=True, seed=7)
     o1, s1 = run_forward(inputs)
     o2, s2 = run_forward(inputs)
     assert torch.equal(o1, o2) and torch.equal(s1, s2)
-    first, second = (run_forward(inputs, keep_for_backward=True, keep_products=True) for _ in range(2))
+    first, second = (run_forward(inputs, keep_for_backward=True) for _ in range(2))
     for a, b in zip(first[:2] + tuple(first[2]), second[:2] + tuple(second[2])):
         assert torch.equal(a, b)
 

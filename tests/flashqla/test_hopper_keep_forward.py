@@ -1,9 +1,8 @@
 """The forward keeps gamma, A~ and the state entering every chunk (forward.KeptForward) and the backward
 recomputes none of them (the public op's default); with keep_for_backward="products" all but the chunk states,
-which the backward walks the chunks again for; with False nothing (the backward runs the forward again). Ab and P
-are kept only when asked (keep_products), for the two-kernel backward.
+which the backward walks the chunks again for; with False nothing (the backward runs the forward again).
 
-Checked: the kept tensors agree with float64 (A~, Ab, P) and with the state-only walk of chunk_states.py,
+Checked: the kept tensors agree with float64 (gamma, A~) and with the state-only walk of chunk_states.py,
 and the gradients stay within the float64 tolerance on the grid (ragged, split sequences, strong decay,
 a group of 16 value heads per qk head, float16, the public op under both kinds of
 checkpointing).
@@ -31,7 +30,6 @@ def forward_then_backward(inputs, do, dht, keep_chunk_states: bool = True):
     _, _, kept = forward(*args, SCALE, inputs["initial_state"], True, inputs["cu_seqlens"],
                          keep_for_backward=True, keep_chunk_states=keep_chunk_states)
     assert (kept.chunk_states is not None) == keep_chunk_states
-    assert kept.gated_inverse is None and kept.scores is None, "Ab and P kept unasked"
     return backward(*args, SCALE, inputs["initial_state"], inputs["cu_seqlens"], do, dht, kept=kept)
 
 
@@ -49,8 +47,8 @@ def test_kept_forward_gradients_match_float64(heads, lengths):
 
 @pytest.mark.parametrize("heads", [(16, 64), (2, 8), (1, 16)], ids=["16_64", "2_8", "1_16"])
 def test_kept_tensors_match_float64_and_the_state_only_walk(heads):
-    """gamma within float32 rounding of float64; A~, Ab and P (made by the inverse kernel and inside the
-    walk) within bf16 rounding of float64; the chunk states within tolerance of chunk_states.py's."""
+    """gamma within float32 rounding of float64; A~ (the inverse kernel's) within bf16 rounding of float64; the
+    chunk states within tolerance of chunk_states.py's."""
     from flashqla.hopper.chunk_states import chunk_states
     from flashqla.hopper.forward import forward
     from flashqla.testing import relative_error
@@ -59,13 +57,12 @@ def test_kept_tensors_match_float64_and_the_state_only_walk(heads):
     inputs = make_inputs(RAGGED + [8192], *heads, True, seed=3)
     poison_allocator()
     _, _, kept = forward(*(inputs[n] for n in ARGS), SCALE, inputs["initial_state"], True,
-                         inputs["cu_seqlens"], keep_for_backward=True, keep_products=True)
+                         inputs["cu_seqlens"], keep_for_backward=True)
     cu = inputs["cu_seqlens"]
     assert_gamma_matches_float64(kept.gamma, inputs["g"], cu)
-    for name, exact in zip(("inverse", "gated_inverse", "scores"), float64_products(inputs, SCALE)):
-        mine = getattr(kept, name)
-        assert torch.isfinite(mine).all(), f"{name}: NaN/Inf (unwritten rows?)"
-        assert relative_error(mine, exact) <= 1e-2, (name, relative_error(mine, exact))
+    exact = float64_products(inputs, SCALE)[0]
+    assert torch.isfinite(kept.inverse).all(), "A~: NaN/Inf (unwritten rows?)"
+    assert relative_error(kept.inverse, exact) <= 1e-2, relative_error(kept.inverse, exact)
     states, _, _ = chunk_states(inputs["k"][0], inputs["v"][0], kept.gamma, inputs["beta"][0],
                                 kept.inverse.to(torch.bfloat16), inputs["initial_state"], cu)
     assert torch.isfinite(kept.chunk_states).all()
@@ -83,22 +80,6 @@ def test_kept_products_without_states_give_bitwise_the_kept_gradients(heads, len
     rewalked = forward_then_backward(inputs, do, dht, keep_chunk_states=False)
     for name, a, b in zip(GRAD_NAMES, with_states, rewalked):
         assert torch.isfinite(b).all(), name
-        assert torch.equal(a, b), name
-
-
-def test_two_kernel_backward_without_kept_products_runs_the_forward_again():
-    """The two-kernel backward reads Ab and P: given a KeptForward without them it runs the forward again, and its
-    gradients are those of keeping nothing, to the bit."""
-    from flashqla.hopper.backward import backward
-    from flashqla.hopper.forward import forward
-
-    inputs, do, dht = make_backward_inputs(RAGGED, 2, 8, True)
-    args = [inputs[n] for n in ARGS] + [SCALE, inputs["initial_state"]]
-    _, _, kept = forward(*args, True, inputs["cu_seqlens"], keep_for_backward=True)
-    given = backward(*args, inputs["cu_seqlens"], do, dht, kept=kept, fused_reverse=False)
-    rerun = backward(*args, inputs["cu_seqlens"], do, dht, kept=None, fused_reverse=False)
-    for name, a, b in zip(GRAD_NAMES, given, rerun):
-        assert torch.isfinite(a).all(), name
         assert torch.equal(a, b), name
 
 

@@ -66,7 +66,7 @@ def test_hopper_kernels_match_float64_autograd(dtype, tokens):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("group", [1, 2, 3, 16])
 def test_hopper_backward_sums_each_rows_group_of_gradients(dtype, group):
-    """dy in bf16 with `group` rows per row of x (a head group's value heads, as the chunk gradients write them): dx is
+    """dy in bf16 with `group` rows per row of x (a head group's value heads, as the reverse walk writes them): dx is
     float64 autograd's for their sum; deterministic; every row written (partial last CTA, NaN-poisoned memory)."""
     from flashqla.hopper.l2norm import l2_normalized, l2norm_backward
     from hopper_grid import poison_allocator
