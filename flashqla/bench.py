@@ -27,11 +27,12 @@ L2 distance of o and the final state from FLA's.
 --breakdown adds our per-stage times (planning uncached and cached, gamma with the inverse, walk
 starts, the fused walk; with --model also the inverse with the L2 norm in its kernel, the norm alone,
 and the walk storing the chunk states), and with --bwd the backward's (the reverse walk, its warm-up
-ends, the norm's backward or the group sum, and the walk that keep_for_backward="products" adds). --time-budget starts no shape that would likely end past the budget; the
-JSON is rewritten after every shape, so a killed run keeps what it measured. --warm-only makes only
-the first calls: FLA's compile and autotuning take about two minutes per head layout, so
-tools/device_session.sh runs one such process per layout in parallel (autotune results not kept,
-FLA_CACHE_RESULTS=0) and the timed run then autotunes alone with every kernel already compiled.
+ends, the norm's backward or the group sum, and the walk that keep_for_backward="products" adds).
+--time-budget starts no shape that would likely end past the budget; the JSON is rewritten after every
+shape, so a killed run keeps what it measured. --warm-only makes only the first calls: FLA's compile
+and autotuning take about two minutes per head layout, so tools/device_session.sh runs one such process
+per layout in parallel (autotune results not kept, FLA_CACHE_RESULTS=0) and the timed run then
+autotunes alone with every kernel already compiled.
 
 --compare times what decides between kernel variants, each pair on the same inputs, and prints the
 ratios (timings live here, not in the GPU tests, so a busy machine cannot fail a correctness test):
@@ -243,7 +244,7 @@ def backward_breakdown(inputs: dict, rep_ms: int, like_the_model: bool = False) 
     q, k, v, g, beta, rstds = _breakdown_operands(inputs, like_the_model)
     h0 = inputs["initial_state"]
     cu = inputs["cu_seqlens"]
-    num_tokens, num_v_heads = g.shape
+    num_v_heads = g.shape[1]
     num_qk_heads = q.shape[1]
     sm_count = torch.cuda.get_device_properties().multi_processor_count
     plan = plan_forward(cu, num_v_heads, 128, sm_count, MAX_VALUE_BLOCK)

@@ -46,8 +46,9 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seq
     those of the op on q^, k^, carried through the norm to q and k. q and k must then be contiguous (the
     Function saves them so).
     timeline: the fused walk's clock stamps (backward_fused.timeline_shape for the forward plan's pieces;
-    tools/walk_timeline.py). norm_in_fused_walk (candidate: its GPU tests pass, not timed): the L2 norm's backward inside the
-    fused walk where every value head has its own q, k head (else its own kernel after the group sum, as now).
+    tools/walk_timeline.py). norm_in_fused_walk (candidate: its GPU tests pass, not timed): the L2 norm's
+    backward inside the fused walk where every value head has its own q, k head (else its own kernel after the
+    group sum, as now).
     """
     reason = unsupported_inputs(q, v)
     if reason is not None:
