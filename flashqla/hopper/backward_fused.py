@@ -71,9 +71,9 @@ _ROLE_LEADERS = {"state": 0, "delta": WARPGROUP, "products": 2 * WARPGROUP, "loa
 
 def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = False, l2norm_backward: bool = False):
     """record_timeline: also write the clock at every TIMELINE_EVENTS point (a diagnostic: same outputs).
-    l2norm_backward (with normalize_qk; candidate: its GPU tests pass, not timed yet): dq and dk come out as the gradients of q and
-    k, the norm's backward applied on chip, for layouts where a value head has its own q, k head (else the group
-    is summed first, outside)."""
+    l2norm_backward (with normalize_qk; candidate: its GPU tests pass, not timed yet): dq and dk come out as the
+    gradients of q and k, the norm's backward applied on chip, for layouts where a value head has its own q, k
+    head (else the group is summed first, outside)."""
     if l2norm_backward and not normalize_qk:
         raise ValueError("fused_backward_program: l2norm_backward needs normalize_qk (the norm's r)")
     K = V = HEAD_DIM
