@@ -286,6 +286,13 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
         store_rows(sh, cta, dq, dq_head, start, length, first, half, in_flight=int(first > 0))
 
     @T.macro
+    def minus_norm_projection(y, x, rstd, dots, first, width):
+        """y -= r^2 x (x . y) on columns first .. first + width of x: the L2 norm's backward of y = r dx^ (x . y,
+        the whole rows' dots, in dots)."""
+        for t, d in T.Parallel(_C, width):
+            y[t, d] = y[t, d] - rstd[t] * rstd[t] * dots[t] * T.cast(x[t, first + d], f32)
+
+    @T.macro
     def dq_through_the_norm(sh, cta, start, length, dq_head, dq, rows_half, dq_rows, q_dots):
         """dq of q (l2norm_backward), stored: with y = r dq^ (what dq_half_product makes), r (dq^ - q^ (q^ . dq^))
         = y - r^2 q (q . y), whose row dot needs both halves; the first waits in Delta's buffer (bf16, as the
@@ -302,13 +309,11 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
         for t, d in T.Parallel(_C, half):
             rows_half[t, d] = dq[t, d] * T.cast(sh.q[t, half + d], f32)
         T.reduce_sum(rows_half, q_dots, dim=1, clear=False)
-        for t, d in T.Parallel(_C, half):
-            dq[t, d] = dq[t, d] - sh.q_rstd[t] * sh.q_rstd[t] * q_dots[t] * T.cast(sh.q[t, half + d], f32)
+        minus_norm_projection(dq, sh.q, sh.q_rstd, q_dots, half, half)
         store_rows(sh, cta, dq, dq_head, start, length, half, half)
         T.sync_threads(_DELTA_BARRIER, WARPGROUP)  # the first half read back by other lanes than wrote it
         T.copy(sh.delta[0:_C, 0:half], dq)
-        for t, d in T.Parallel(_C, half):
-            dq[t, d] = dq[t, d] - sh.q_rstd[t] * sh.q_rstd[t] * q_dots[t] * T.cast(sh.q[t, d], f32)
+        minus_norm_projection(dq, sh.q, sh.q_rstd, q_dots, 0, half)
         store_rows(sh, cta, dq, dq_head, start, length, 0, half, in_flight=1)
 
     @T.macro
@@ -440,8 +445,7 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
                     for t, d in T.Parallel(_C, K):
                         rows[t, d] = dk[t, d] * T.cast(sh.k[t, d], f32)
                     T.reduce_sum(rows, row_sum, dim=1, clear=True)
-                    for t, d in T.Parallel(_C, K):
-                        dk[t, d] = dk[t, d] - sh.k_rstd[t] * sh.k_rstd[t] * row_sum[t] * T.cast(sh.k[t, d], f32)
+                    minus_norm_projection(dk, sh.k, sh.k_rstd, row_sum, 0, K)
             T.barrier_arrive(sh.qk_free[0])
             stamp(cta, "delta", c, "qk_released")
             if own:
