@@ -499,25 +499,34 @@ def kept_backward_on(heads: tuple[int, int], seq_lens: list[int], like_the_model
 
 def compare_backward_fused(rep_ms: int):
     """The backward from the forward's kept tensors (the reverse walk, backward_fused.py), with the L2 norm as the
-    model calls the op ("model") and on the anchors' normalised inputs with h0 ("plain"); where each value head has
-    its own q, k head, in model mode, also the candidate with the norm's backward inside the walk ("norm in
-    walk"), which raises where a gradient of it is more than 1e-2 (relative L2) from the walk's. A form of the
-    walk (tools/device_session.sh fused-bench:FORM) is timed against another by two such runs."""
+    model calls the op ("model") and on the anchors' normalised inputs with h0 ("plain"), beside the candidate
+    whose delta role waits for products only where it reads them ("async products", which raises unless its
+    gradients are bitwise the walk's); where each value head has its own q, k head, in model mode, also the
+    candidate with the norm's backward inside the walk ("norm in walk", which raises where a gradient of it is more
+    than 1e-2 (relative L2) from the walk's) and both candidates at once. A form of the walk
+    (tools/device_session.sh fused-bench:FORM) is timed against another by two such runs."""
     from flashqla.testing import relative_error
 
     shapes = INVERSE_SHAPES + [("16/32 1x65536", (16, 32), [65536]), ("16/16 ragged", (16, 16), [1000, 0, 64, 2047, 1,
                                                                                                     129, 640] * 8)]
+    labels = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
     for name, heads, seq_lens in shapes:
         for mode in ("model", "plain"):
             run = kept_backward_on(heads, seq_lens, like_the_model=mode == "model")
-            variants = {"fused": {}}
+            variants = {"fused": {}, "async products": dict(async_products=True)}
             if mode == "model" and heads[0] == heads[1]:
                 variants["norm in walk"] = dict(norm_in_fused_walk=True)
-                for label, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), run(), run(norm_in_fused_walk=True)):
+                variants["async, norm in walk"] = dict(norm_in_fused_walk=True, async_products=True)
+                for label, a, b in zip(labels, run(), run(norm_in_fused_walk=True)):
                     error = float(relative_error(b, a))
                     if not error <= 1e-2:  # also catches NaN
                         raise AssertionError(f"backward_fused {name} {mode}: the norm in the walk's {label} is "
                                              f"{error:.2e} from the walk's")
+            for synchronous in ({}, dict(norm_in_fused_walk=True)) if "norm in walk" in variants else ({},):
+                for label, a, b in zip(labels, run(**synchronous), run(**synchronous, async_products=True)):
+                    if not torch.equal(a, b):
+                        raise AssertionError(f"backward_fused {name} {mode}: async products' {label} is not the "
+                                             f"walk's{' with the norm in the walk' if synchronous else ''}")
             yield f"{name} {mode}", {variant: _median_ms(lambda: run(**switches), rep_ms)
                                      for variant, switches in variants.items()}
             del run

@@ -21,7 +21,7 @@
 #   tests-model         the GPU tests of the conv kernel and of qwen_hybrid/ only
 #   walk-timeline       tools/walk_timeline.py: the forward walk's cycles per role and segment of a chunk, on
 #                       16/64 x 32768 (storing everything and nothing), 16/64 8192x4, 16/16 x 131072 and 2/8 x 32768
-#                       (WALK_OPTION=name: a candidate's fused_forward switch)
+#                       (WALK_OPTION=name: a candidate's fused_forward switch; in fused-timeline:FORM, backward's)
 #   compare-conv        python -m flashqla.bench --compare conv (the conv kernel against torch.compile; its backward's token blocks)
 #   fused-bench:FORM    the fused reverse walk's forms side by side in one call (FORM: main, the tree's
 #   fused-timeline:FORM flashqla/hopper/backward_fused.py, or NAME for .devkit/alt/backward_fused_NAME.py, put in its
@@ -211,7 +211,8 @@ print(first_call_s(implementations([])["ours"], make_inputs(heads, lens)))' "${N
         fused-timeline:*)
             step "$1" 60 25 bash -c 'for mode in "" --model; do
                 '"$PYTHON"' tools/walk_timeline.py --backward $mode --heads 16/16 --lengths 131072 \
-                    --json "'"$LOGS/timeline-$form"'${mode:+-model}.json" || exit 1
+                    '"${WALK_OPTION:+--option $WALK_OPTION}"' \
+                    --json "'"$LOGS/timeline-$form${WALK_OPTION:+-$WALK_OPTION}"'${mode:+-model}.json" || exit 1
             done' ;;
         fused-tests:*)
             step "$1" 200 150 "$PYTHON" -m pytest -m gpu -q -x -rfE -p no:cacheprovider \

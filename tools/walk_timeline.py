@@ -122,7 +122,8 @@ def main(argv=None) -> None:
                         help="what the walk stores: everything (the model's forward) or nothing (the bench's)")
     parser.add_argument("--skip", type=int, default=4, help="first chunks of every CTA left out")
     parser.add_argument("--option", action="append", default=[],
-                        help="a keyword of fused_forward to set True (a candidate's switch); repeatable")
+                        help="a keyword of fused_forward (with --backward: of backward.backward) to set True (a "
+                             "candidate's switch); repeatable")
     parser.add_argument("--backward", action="store_true",
                         help="the fused reverse walk (flashqla/hopper/backward_fused.py) instead of the forward's")
     parser.add_argument("--model", action="store_true", help="with --backward: the op as the model calls it (L2 norm)")
@@ -190,7 +191,12 @@ def backward_timeline(args) -> None:
 
     heads = tuple(int(h) for h in args.heads.split("/"))
     seq_lens = [int(n) for n in args.lengths.split(",")]
-    run = kept_backward_on(heads, seq_lens, like_the_model=args.model)
+    backward_on = kept_backward_on(heads, seq_lens, like_the_model=args.model)
+    options = {name: True for name in args.option}
+
+    def run(timeline=None):
+        return backward_on(timeline, **options)
+
     bounds = [0, *itertools.accumulate(seq_lens)]
     pieces = plan_forward(torch.tensor(bounds, device="cuda"), heads[1], 128, device_sm_count("cuda"), MAX_VALUE_BLOCK,
                           host_bounds=bounds).pieces
@@ -203,7 +209,8 @@ def backward_timeline(args) -> None:
     record_and_report(run, stamps,
                       lambda plain, recorded: all(torch.equal(a, b) for a, b in zip(plain, recorded)), TIMELINE_EVENTS,
                       f"backward {args.heads} x {args.lengths}{' (the model)' if args.model else ''}, "
-                      f"{stamps.shape[0]} CTAs{times}", args, own=("delta", "delta"))
+                      f"{stamps.shape[0]} CTAs{times}" + "".join(f", {name}" for name in args.option), args,
+                      own=("delta", "delta"))
 
 
 if __name__ == "__main__":

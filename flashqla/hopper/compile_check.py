@@ -33,6 +33,9 @@ COMPILE_CHECKS = [
     ("backward_fused", compile_fused_backward),
     ("backward_fused_normalizing_qk", lambda: compile_fused_backward(normalize_qk=True)),
     ("backward_fused_l2norm", lambda: compile_fused_backward(normalize_qk=True, l2norm_backward=True)),
+    ("backward_fused_async_products", lambda: compile_fused_backward(async_products=True)),
+    ("backward_fused_async_products_normalizing_qk", lambda: compile_fused_backward(True, async_products=True)),
+    ("backward_fused_async_products_l2norm", lambda: compile_fused_backward(True, False, True, async_products=True)),
     ("causal_conv_forward", lambda: compile_conv_forward("bfloat16")),
     ("causal_conv_backward", lambda: compile_conv_backward("bfloat16")),
     ("causal_conv_forward_one_lane", lambda: compile_conv_forward("bfloat16", lanes=1)),  # odd widths
@@ -67,8 +70,9 @@ PTXAS_USAGE = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\
 
 def ptxas_resources(kernel) -> dict[str, int]:
     """What ptxas allots a compiled TileLang kernel: {"registers", "spill_stores", "spill_loads", "stack"}
-    (bytes a thread). Recompiles the kernel's CUDA with TileLang's own nvcc options and ptxas --verbose
-    (TileLang keeps ptxas' report to itself)."""
+    (bytes a thread), and "serialised_wgmma" (1 where ptxas serialises the kernel's wgmmas, waiting for each
+    before the next: C7510-C7520, e.g. C7512 for want of registers with products in flight). Recompiles the
+    kernel's CUDA with TileLang's own nvcc options and ptxas --verbose (TileLang keeps ptxas' report to itself)."""
     import tilelang
     from tilelang.env import CUTLASS_INCLUDE_DIR, TILELANG_TEMPLATE_PATH
 
@@ -85,7 +89,8 @@ def ptxas_resources(kernel) -> dict[str, int]:
     if match is None:
         raise RuntimeError(f"no ptxas usage line in:\n{report}")
     stack, spill_stores, spill_loads, registers = map(int, match.groups())
-    return dict(registers=registers, spill_stores=spill_stores, spill_loads=spill_loads, stack=stack)
+    return dict(registers=registers, spill_stores=spill_stores, spill_loads=spill_loads, stack=stack,
+                serialised_wgmma=int("wgmma.mma_async instructions are serialized" in report))
 
 
 # the most shared memory a block may have on H100 and H200 (cudaDevAttrMaxSharedMemoryPerBlockOptin)

@@ -1,8 +1,8 @@
 """GPU tests of the backward in one reverse walk (flashqla/hopper/backward_fused.py, the op's backward): every
 gradient against autograd through the float64 chunked reference on the backward's grid; with q, k through the
 in-kernel L2 norm, against the walk on q^, k^ carried through the norm's backward in float64 (and the candidate
-with the norm's backward inside the walk against the walk); bitwise determinism. Pieces:
-test_hopper_backward_pieces.py."""
+with the norm's backward inside the walk against the walk); the candidate with asynchronous products bitwise
+against the walk; bitwise determinism. Pieces: test_hopper_backward_pieces.py."""
 import pytest
 import torch
 
@@ -105,6 +105,32 @@ def test_the_norms_backward_in_the_walk_matches_its_own_kernel(heads, lengths):
     inputs, do, dht, rstds = unnormalised_inputs_and_rstds(lengths, heads)
     in_walk = run_backward(inputs, do, dht, norm_in_fused_walk=True, **rstds)
     assert_close(in_walk, run_backward(inputs, do, dht, **rstds), lengths)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not on_hopper, reason="needs an SM90 (Hopper) GPU")
+@pytest.mark.parametrize("heads,lengths,norm", [
+    ((16, 64), [4096], None), ((2, 8), RAGGED, None), ((2, 8), RAGGED, "kernel"), ((16, 16), [8192], "kernel"),
+    ((16, 16), RAGGED, "in_walk"), ((4, 4), [8192], "in_walk")],
+    ids=["16_64_1x4096", "2_8_ragged", "2_8_ragged_norm", "16_16_1x8192_norm", "16_16_ragged_norm_in_walk",
+         "4_4_1x8192_norm_in_walk"])
+def test_async_products_are_bitwise_the_walk(heads, lengths, norm):
+    """async_products issues the delta role's products without waiting for each; the same products in the same
+    order, so every gradient is bitwise the walk's: on full and partial chunks, pieces with warm-up chunks (one
+    long sequence), with and without the norm (whose variants keep a product more in flight), the norm's backward
+    in the walk too. A wait too few reads an accumulator before its product is done, a barrier arrived too early
+    lets another role overwrite an operand: either changes bits."""
+    if norm is None:
+        inputs, do, dht = make_backward_inputs(lengths, *heads, True)
+        keywords = {}
+    else:
+        inputs, do, dht, keywords = unnormalised_inputs_and_rstds(lengths, heads)
+        keywords["norm_in_fused_walk"] = norm == "in_walk"
+    walk = run_backward(inputs, do, dht, **keywords)
+    in_flight = run_backward(inputs, do, dht, async_products=True, **keywords)
+    different = [name for name, a, b in zip(GRAD_NAMES, walk, in_flight) if not torch.equal(a, b)]
+    assert not different, [(name, float(relative_error(a, b))) for name, a, b in zip(GRAD_NAMES, walk, in_flight)
+                           if name in different]
 
 
 @pytest.mark.gpu
