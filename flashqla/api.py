@@ -12,7 +12,7 @@ import torch
 from flashqla import backends
 
 # What the "tilelang" forward may keep for its backward: everything, all but the chunk states, nothing.
-KEEP_FOR_BACKWARD = (True, "products", False)
+KEEP_FOR_BACKWARD = (True, "inverse", False)
 
 
 def is_keep_for_backward(value) -> bool:
@@ -62,7 +62,7 @@ def chunk_gated_delta_rule(
         keep_for_backward: when autograd will differentiate the call, what the "tilelang" backend's
             forward keeps for the backward beside the inputs (KEEP_FOR_BACKWARD): True what the
             backward reads of it, gamma, the inverse and the state entering every 64-token chunk
-            (about T * Hv * 644 bytes), so that the backward recomputes none of them; "products" all
+            (about T * Hv * 644 bytes), so that the backward recomputes none of them; "inverse" all
             but the chunk states (gamma and the inverse, about T * Hv * 132 bytes), which the backward
             then rebuilds by walking the chunks again; False nothing (the backward runs the forward
             again), where memory is tighter than time. Under a non-reentrant checkpoint both passes

@@ -20,14 +20,14 @@ Median of triton.testing.do_bench; forward under no_grad; backward = (forward + 
 --model calls the op as the model's GDN layer does instead, on its head layouts (16/16 at 32768 and
 131072 tokens, 8/8 at 131072): q, k not normalised with use_qk_l2norm_in_kernel=True, bf16 beta, no
 initial or final state, and the forward timed under autograd (what it keeps for the backward included:
---keep picks our op's keep_for_backward, true by default as the op's; the model configs keep "products").
+--keep picks our op's keep_for_backward, true by default as the op's; the model configs keep "inverse").
 Per shape it also records each library's first call (compile included: FlashQLA compiles about a
 dozen TileLang kernels per head layout, minutes without a carried TileLang cache) and the relative
 L2 distance of o and the final state from FLA's.
 --breakdown adds our per-stage times (planning uncached and cached, gamma with the inverse, walk
 starts, the fused walk; with --model also the inverse with the L2 norm in its kernel, the norm alone,
 and the walk storing the chunk states), and with --bwd the backward's (the reverse walk, its warm-up
-ends, the norm's backward or the group sum, and the walk that keep_for_backward="products" adds).
+ends, the norm's backward or the group sum, and the walk that keep_for_backward="inverse" adds).
 --time-budget starts no shape that would likely end past the budget; the JSON is rewritten after every
 shape, so a killed run keeps what it measured. --warm-only makes only the first calls: FLA's compile
 and autotuning take about two minutes per head layout, so tools/device_session.sh runs one such process
@@ -36,7 +36,7 @@ autotunes alone with every kernel already compiled.
 
 --compare times what decides between kernel variants, each pair on the same inputs, and prints the
 ratios (timings live here, not in the GPU tests, so a busy machine cannot fail a correctness test):
-- keep_forward: forward + backward through the public op, keep_for_backward=False, "products" and True;
+- keep_forward: forward + backward through the public op, keep_for_backward=False, "inverse" and True;
 - conv: the GDN layer's conv + SiLU, the TileLang kernel against torch.compile of its definition, and
   the kernel's backward with 256-token blocks against 128 and 64;
 - inverse: the chunks' inverse A~ against FlashQLA's kkt_solve;
@@ -60,7 +60,7 @@ HEAD_LAYOUTS = {"TP1": (16, 64), "TP1.33": (16, 48), "TP2": (16, 32), "TP2'": (8
                 "TP4": (4, 16), "TP8": (2, 8), "16/16": (16, 16)}
 LENGTHS = {"1x8192": [8192], "1x32768": [32768], "28672+4096": [28672, 4096], "8192x4": [8192] * 4}
 DIFFERENTIABLE_INPUTS = ("q", "k", "v", "g", "beta", "initial_state")
-# --keep: the op's keep_for_backward values by their command-line names (true, products, false)
+# --keep: the op's keep_for_backward values by their command-line names (true, inverse, false)
 KEEP_CHOICES = {str(value).lower(): value for value in KEEP_FOR_BACKWARD}
 
 
@@ -229,7 +229,7 @@ def forward_breakdown(inputs: dict, rep_ms: int, like_the_model: bool = False) -
 def backward_breakdown(inputs: dict, rep_ms: int, like_the_model: bool = False) -> dict:
     """Median ms of each stage of our backward given the kept forward: the warm-up ends of the pieces, the
     reverse walk, the L2 norm's backward with dq's sum over each head group (like_the_model) or the group sum
-    alone (dk's is the same again), and the walk that keep_for_backward="products" adds (the chunk states
+    alone (dk's is the same again), and the walk that keep_for_backward="inverse" adds (the chunk states
     rebuilt)."""
     from triton.testing import do_bench
 
@@ -332,7 +332,7 @@ def _median_ms(fn, rep_ms: int, **kwargs) -> float:
 
 def compare_keep_forward(rep_ms: int):
     """Forward + backward through the public op, recomputing the forward's intermediates in the
-    backward (keep_for_backward=False) against keeping all but the chunk states ("products") and
+    backward (keep_for_backward=False) against keeping all but the chunk states ("inverse") and
     keeping them all (True, the default)."""
     from flashqla import chunk_gated_delta_rule
 
@@ -349,7 +349,7 @@ def compare_keep_forward(rep_ms: int):
 
         yield (f"{heads[0]}/{heads[1]} 32768",
                {"recomputed": _median_ms(lambda: step(False), rep_ms, grad_to_none=leaves),
-                "products kept": _median_ms(lambda: step("products"), rep_ms, grad_to_none=leaves),
+                "inverse kept": _median_ms(lambda: step("inverse"), rep_ms, grad_to_none=leaves),
                 "kept": _median_ms(lambda: step(True), rep_ms, grad_to_none=leaves)})
 
 

@@ -53,7 +53,7 @@ class QwenHybridConfig:
     gdn_backend: str = "auto"
     conv_backend: str = "auto"
     attention_backend: str = "auto"
-    gdn_keep_for_backward: bool | str = "products"  # flashqla.chunk_gated_delta_rule's keep_for_backward (configs/model/*.yaml say why)
+    gdn_keep_for_backward: bool | str = "inverse"  # flashqla.chunk_gated_delta_rule's keep_for_backward (configs/model/*.yaml say why)
 
     def __post_init__(self) -> None:
         if self.layer_types is None:

@@ -48,7 +48,7 @@
 #   checkpoint-layers   131072 tokens with train.checkpoint_layers=16
 #   model-bench         python -m flashqla.bench --model --fwd --bwd (ours / FLA / FlashQLA as the model calls the op;
 #                       SHAPES=substr,... filters; BREAKDOWN=1 adds our stages; BASELINES= (empty): ours alone;
-#                       KEEP=products|false: what our op keeps for the backward, true by default)
+#                       KEEP=inverse|false: what our op keeps for the backward, true by default)
 #   model-bench-ab      the same, ours alone with BREAKDOWN, this tree against baseline/ (git archive of another commit),
 #                       alternating ROUNDS (default 2) times; SHAPES defaults to 16/16,8/8; JSON per run in logs.tgz
 #   model-vs-hf         python -m benchmarks.model_vs_hf: ours, HF + FLA, HF + FlashQLA at 16384 tokens

@@ -58,7 +58,7 @@ def validate_config(cfg: DictConfig) -> None:
     _choice("model.attention_backend", model.attention_backend, ATTENTION_BACKENDS)
     if not is_keep_for_backward(model.gdn_keep_for_backward):
         raise ConfigError(f"model.gdn_keep_for_backward={model.gdn_keep_for_backward!r}: expected one of "
-                          f"{list(GDN_KEEP_FOR_BACKWARD)} (true, products or false)")
+                          f"{list(GDN_KEEP_FOR_BACKWARD)} (true, inverse or false)")
     if model.vocab_size is not None:
         _integer("model.vocab_size", model.vocab_size, 1)
     if model.init_from is not None and not (Path(str(model.init_from)) / "config.json").is_file():

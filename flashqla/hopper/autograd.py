@@ -14,7 +14,7 @@ import torch
 def chunk_gated_delta_rule_hopper(q, k, v, g, beta, scale, initial_state, output_final_state,
                                   use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_host, keep_for_backward):
     """(o, final_state or None) for inputs the public op has checked (scale resolved, cu_seqlens_host
-    the offsets as a list or None). keep_for_backward (True, "products" or False, as the public op
+    the offsets as a list or None). keep_for_backward (True, "inverse" or False, as the public op
     takes it): what the forward keeps of its intermediates for the backward, which they are only
     when autograd will run one (see keeps_for_backward)."""
     # Saved for the backward as contiguous tensors: a view (v split from the layer's fused conv

@@ -116,7 +116,7 @@ def _bad_cases():
         "cu_seqlens_cpu short of T": (dict(cu_seqlens_cpu=torch.tensor([0, 10, 15])), ValueError,
                                       "cu_seqlens_cpu must start at 0 and end at T = 16, got first 0 and last 15"),
         "keep_for_backward 1": (dict(keep_for_backward=1), ValueError,
-                                r"keep_for_backward must be one of \(True, 'products', False\), got 1"),
+                                r"keep_for_backward must be one of \(True, 'inverse', False\), got 1"),
         "keep_for_backward name": (dict(keep_for_backward="states"), ValueError,
                                    "keep_for_backward must be one of .*got 'states'"),
     }
@@ -153,7 +153,7 @@ def test_the_forwards_kept_tensors_reach_the_backward(monkeypatch):
     made, received, asked = [], [], []
 
     def fake_forward(q, k, v, *args, keep_for_backward=False, keep_chunk_states=True, **kwargs):
-        asked.append(keep_for_backward and (True if keep_chunk_states else "products"))
+        asked.append(keep_for_backward and (True if keep_chunk_states else "inverse"))
         kept = forward.KeptForward(torch.zeros(4, 1), torch.full((4, 1, 64), 2.0),
                                    torch.ones(1, 1, 8, 8) if keep_chunk_states else None)
         made.append(kept)
@@ -168,7 +168,7 @@ def test_the_forwards_kept_tensors_reach_the_backward(monkeypatch):
     monkeypatch.setattr(backward, "backward", fake_backward)
     q, k = torch.randn(1, 4, 1, 8), torch.randn(1, 4, 1, 8)
     g, beta = torch.zeros(1, 4, 1), torch.ones(1, 4, 1)
-    for keep in (True, "products", False):
+    for keep in (True, "inverse", False):
         v = torch.randn(1, 4, 1, 8, requires_grad=True)
         o, _ = autograd.chunk_gated_delta_rule_hopper(q, k, v, g, beta, 1.0, None, False, False, None, None, keep)
         o.sum().backward()
@@ -179,7 +179,7 @@ def test_the_forwards_kept_tensors_reach_the_backward(monkeypatch):
     with torch.no_grad():
         autograd.chunk_gated_delta_rule_hopper(q, k, v, g, beta, 1.0, None, False, False, None, None, True)
     autograd.chunk_gated_delta_rule_hopper(q, k, v.detach(), g, beta, 1.0, None, False, False, None, None, True)
-    assert asked == [True, "products", False, False, False]
+    assert asked == [True, "inverse", False, False, False]
 
 
 def test_saved_inputs_hold_no_larger_base(monkeypatch):

@@ -33,16 +33,16 @@ def test_the_model_layouts_are_in_the_bench():
                                                      "16/32 1x65536"]
 
 
-@pytest.mark.parametrize("name", ["true", "products", "false"])
+@pytest.mark.parametrize("name", ["true", "inverse", "false"])
 def test_keep_reaches_our_op_only(monkeypatch, tmp_path, name):
-    """--keep NAME is the op's keep_for_backward for ours (True, "products", False), and the JSON says which."""
+    """--keep NAME is the op's keep_for_backward for ours (True, "inverse", False), and the JSON says which."""
     import json
 
     import flashqla
     from flashqla.api import KEEP_FOR_BACKWARD
     from flashqla.bench import KEEP_CHOICES, write_json
 
-    assert set(KEEP_CHOICES) == {"true", "products", "false"} and list(KEEP_CHOICES.values()) == list(KEEP_FOR_BACKWARD)
+    assert set(KEEP_CHOICES) == {"true", "inverse", "false"} and list(KEEP_CHOICES.values()) == list(KEEP_FOR_BACKWARD)
     seen = []
     monkeypatch.setattr(flashqla, "chunk_gated_delta_rule", lambda *args, **kwargs: seen.append(kwargs))
     implementations([], keep_for_backward=KEEP_CHOICES[name])["ours"](make_inputs((2, 4), [40], device="cpu"))

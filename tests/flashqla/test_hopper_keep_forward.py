@@ -1,5 +1,5 @@
 """The forward keeps gamma, A~ and the state entering every chunk (forward.KeptForward) and the backward
-recomputes none of them (the public op's default); with keep_for_backward="products" all but the chunk states,
+recomputes none of them (the public op's default); with keep_for_backward="inverse" all but the chunk states,
 which the backward walks the chunks again for; with False nothing (the backward runs the forward again).
 
 Checked: the kept tensors agree with float64 (gamma, A~) and with the state-only walk of chunk_states.py,
@@ -72,7 +72,7 @@ def test_kept_tensors_match_float64_and_the_state_only_walk(heads):
 @pytest.mark.parametrize("lengths", [RAGGED, [28672, 4096]], ids=["ragged", "28672+4096"])
 @pytest.mark.parametrize("heads", [(16, 64), (2, 8), (1, 16)], ids=["16_64", "2_8", "1_16"])
 def test_kept_products_without_states_give_bitwise_the_kept_gradients(heads, lengths):
-    """keep_for_backward="products": the backward walks the chunks again for the states, the same
+    """keep_for_backward="inverse": the backward walks the chunks again for the states, the same
     kernel on the same inputs and plan (pieces and warm-ups included) as the forward's walk, so the
     gradients are those of keeping everything, to the bit."""
     inputs, do, dht = make_backward_inputs(lengths, *heads, True, strong_decay=True)
@@ -109,7 +109,7 @@ def test_public_op_with_kept_forward_under_checkpointing(monkeypatch):
     original_backward = backward_module.backward
 
     def spying_backward(*args, kept=None, **kwargs):
-        received.append("nothing" if kept is None else "all" if kept.chunk_states is not None else "products")
+        received.append("nothing" if kept is None else "all" if kept.chunk_states is not None else "inverse")
         return original_backward(*args, kept=kept, **kwargs)
 
     monkeypatch.setattr(backward_module, "backward", spying_backward)  # autograd.py looks it up per call
@@ -132,11 +132,11 @@ def test_public_op_with_kept_forward_under_checkpointing(monkeypatch):
     recomputed = grads(False, False)
     assert received == ["nothing"]
     reference = float64_gradients(inputs, do, dht)
-    for keep in (True, "products"):
+    for keep in (True, "inverse"):
         for reentrant in (False, True):
             received.clear()
             kept = grads(keep, reentrant)
-            assert received == ["all" if keep is True else "products"], (keep, reentrant)
+            assert received == ["all" if keep is True else "inverse"], (keep, reentrant)
             for name, a, b in zip(names, kept, recomputed):
                 assert relative_error(a, b) <= 1e-2, (keep, reentrant, name)
             assert all(relative_error(a, r) <= TOLERANCE for a, r in zip(kept, reference))

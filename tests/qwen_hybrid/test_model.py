@@ -352,7 +352,7 @@ def test_checkpointed_passes_make_the_same_keep_choice(monkeypatch):
     )
 
 
-@pytest.mark.parametrize("keep", [True, "products", False])
+@pytest.mark.parametrize("keep", [True, "inverse", False])
 def test_gdn_keep_for_backward_reaches_the_op(monkeypatch, keep):
     passes = _record_keep_choices(monkeypatch)
     model = tiny_model(seed=5, gdn_keep_for_backward=keep)

@@ -46,7 +46,7 @@ def test_schedule_dataset_and_resume_errors_name_their_key(tmp_path):
         (("train.overwrite=true", "train.resume=auto", f"run_dir={tmp_path}"), "train.overwrite=true: expected train.resume=null"),
         (("train.checkpoint_layers=2",), "train.checkpoint_layers=2: expected train.activation_checkpointing=true"),
         (("train.activation_checkpointing=true", "train.checkpoint_layers=9"), "train.checkpoint_layers=9: model tiny has 4 layers"),
-        (("model.gdn_keep_for_backward=states",), "model.gdn_keep_for_backward='states': expected one of [True, 'products', False]"),
+        (("model.gdn_keep_for_backward=states",), "model.gdn_keep_for_backward='states': expected one of [True, 'inverse', False]"),
         (("train.recompute_attention=sometimes",), "train.recompute_attention='sometimes': expected true, false or auto"),
         (("train.recompute_attention=0",), "train.recompute_attention=0: expected true, false or auto"),
     ]
