@@ -26,7 +26,8 @@ from flashqla.hopper.walk_bounds import walk_bounds
 def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seqlens_host: list[int] | None = None,
              kept: KeptForward | None = None, log_decay_threshold: float = DEFAULT_LOG_DECAY_THRESHOLD,
              q_rstd: torch.Tensor | None = None, k_rstd: torch.Tensor | None = None,
-             timeline: torch.Tensor | None = None, norm_in_fused_walk: bool = False, async_products: bool = False):
+             timeline: torch.Tensor | None = None, norm_in_fused_walk: bool = False, async_products: bool = False,
+             walk_registers: tuple[int, int, int, int] | None = None):
     """Gradients of (o, final_state) for inputs as given to `forward.forward`.
 
     q, k: [B, T, Hqk, 128]; v, do: [B, T, Hv, 128]; g, beta: [B, T, Hv]; initial_state, dht:
@@ -50,6 +51,8 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seq
     backward inside the fused walk where every value head has its own q, k head (else its own kernel after the
     group sum, as now). async_products (candidate, never run on a GPU): the walk's delta role waits for some
     products only where it reads them (backward_fused.fused_backward_program); bitwise the same gradients.
+    walk_registers (candidate, e.g. backward_fused.DELTA_HEAVY_REGISTERS; None: the walk's): the walk's
+    registers a thread per role; bitwise the same gradients.
     """
     reason = unsupported_inputs(q, v)
     if reason is not None:
@@ -109,7 +112,7 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seq
     dq_head, dk_head, dv, dg, dbeta, dh0 = fused_backward_grads(
         q_flat, k_flat, v_flat, gamma, beta_flat, inverse, states, do_flat, dht, scale, cu_seqlens,
         plan.chunk_offsets, plan.pieces, walk_end, rstds=kernel_rstds, timeline=timeline, l2norm_backward=norm_in_walk,
-        async_products=async_products)
+        async_products=async_products, registers=walk_registers)
     return _finish(q, k, v, g, beta, dq_head, dk_head, dv, dg, dbeta, dh0, rstds, norm_in_walk, num_qk_heads)
 
 

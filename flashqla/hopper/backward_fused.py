@@ -51,6 +51,9 @@ _C = CHUNK_SIZE
 _THREADS = 4 * WARPGROUP
 # registers a thread after setmaxnreg: state, delta, products, loads (4 x 128 threads share 64K)
 _REGISTERS = (160, 168, 152, 32)
+# a candidate's budget (fused_backward_program's registers): the loads role at setmaxnreg's floor, its 8 to the
+# delta role, which sets the chunk period (docs/kernel-notes.md)
+DELTA_HEAVY_REGISTERS = (160, 176, 152, 24)
 # record_timeline: the points of a chunk at which each role's first thread reads the SM's clock, in loop order,
 # for the first TIMELINE_CHUNKS chunks of every CTA (tools/walk_timeline.py --backward summarises them)
 TIMELINE_EVENTS = {
@@ -70,7 +73,7 @@ _ROLE_LEADERS = {"state": 0, "delta": WARPGROUP, "products": 2 * WARPGROUP, "loa
 
 
 def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = False, l2norm_backward: bool = False,
-                           async_products: bool = False):
+                           async_products: bool = False, registers: tuple[int, int, int, int] = _REGISTERS):
     """record_timeline: also write the clock at every TIMELINE_EVENTS point (a diagnostic: same outputs).
     l2norm_backward (with normalize_qk; candidate: its GPU tests pass, not timed yet): dq and dk come out as the
     gradients of q and k, the norm's backward applied on chip, for layouts where a value head has its own q, k
@@ -79,9 +82,16 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
     (T.wgmma_gemm) and waits where it reads them: Pm^T dO with K dS1, Y K with Y^T K, Z^T Q under dq's first
     product, and with the norm E Delta dS1^T under dU and dv's store (without the norm ptxas then serialises every
     wgmma for want of registers: C7512). The same products in the same order: the gradients are bitwise the
-    walk's."""
+    walk's.
+    registers: each role's registers a thread (state, delta, products, loads; DELTA_HEAVY_REGISTERS is a
+    candidate's): the first three raised from the 128 a thread starts with, the loads' lowered, multiples of 8
+    that fit the SM's 64K."""
     if l2norm_backward and not normalize_qk:
         raise ValueError("fused_backward_program: l2norm_backward needs normalize_qk (the norm's r)")
+    if not (len(registers) == 4 and all(n % 8 == 0 for n in registers) and all(128 <= n <= 256 for n in registers[:3])
+            and 24 <= registers[3] <= 128 and WARPGROUP * sum(registers) <= 65536):
+        raise ValueError(f"fused_backward_program: registers must be 4 multiples of 8, the first three in [128, 256], "
+                         f"the last in [24, 128], summing to at most {65536 // WARPGROUP}; got {registers}")
     dk_state_early = async_products and normalize_qk
     K = V = HEAD_DIM
     num_v_heads = T.dynamic("num_v_heads")
@@ -208,7 +218,7 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
 
     @T.macro
     def state_role(sh, cta, dht, dh0, dg, dbeta):
-        T.set_max_nreg(_REGISTERS[0], 1)
+        T.set_max_nreg(registers[0], 1)
         lane = T.get_thread_binding()
         chunk_decay = T.alloc_var(f32)  # e^{gamma_C} of the chunk, kept for its epilogue (the loads refill dec)
         chunk_decay = 1.0
@@ -497,7 +507,7 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
 
     @T.macro
     def delta_role(sh, cta, dv, dk_head, dq_head):
-        T.set_max_nreg(_REGISTERS[1], 1)
+        T.set_max_nreg(registers[1], 1)
         acc = T.alloc_fragment((_C, V), f32)
         pm_do = T.alloc_fragment((_C, V), f32)
         dk = T.alloc_fragment((_C, K), f32)
@@ -627,7 +637,7 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
 
     @T.macro
     def products_role(sh, cta):
-        T.set_max_nreg(_REGISTERS[2], 1)
+        T.set_max_nreg(registers[2], 1)
         pmf = T.alloc_fragment((_C, _C), f32)   # scale Gm . Q^K^T, in float32
         gm = T.alloc_fragment((_C, _C), f32)
         dp = T.alloc_fragment((_C, _C), f32)
@@ -824,7 +834,7 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
             elif tx < 3 * WARPGROUP:
                 products_role(sh, cta)
             else:
-                T.set_max_nreg(_REGISTERS[3], 0)
+                T.set_max_nreg(registers[3], 0)
                 if tx < 3 * WARPGROUP + 32:
                     load_qk(sh, cta, q, k, gamma, beta, q_rstd, k_rstd)
                 elif tx < 3 * WARPGROUP + 64:
@@ -839,14 +849,15 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
 
 @functools.lru_cache(maxsize=None)
 def compile_fused_backward(normalize_qk: bool = False, record_timeline: bool = False, l2norm_backward: bool = False,
-                           async_products: bool = False):
-    return compile_for_hopper(fused_backward_program(normalize_qk, record_timeline, l2norm_backward, async_products),
-                              fast_math=True)
+                           async_products: bool = False, registers: tuple[int, int, int, int] = _REGISTERS):
+    return compile_for_hopper(fused_backward_program(normalize_qk, record_timeline, l2norm_backward, async_products,
+                                                     tuple(registers)), fast_math=True)
 
 
 def fused_backward_grads(q, k, v, gamma, beta, inverse, chunk_states, do, dht, scale, cu_seqlens, offsets, pieces,
                          walk_end, rstds: tuple | None = None, timeline: torch.Tensor | None = None,
-                         l2norm_backward: bool = False, async_products: bool = False):
+                         l2norm_backward: bool = False, async_products: bool = False,
+                         registers: tuple[int, int, int, int] | None = None):
     """(dq, dk per value head, dv, dg, dbeta, dh0) on flattened bf16 inputs.
 
     q, k: [T, Hqk, 128]; v, do: [T, Hv, 128]; gamma (chunk-local cumsum), beta: float32 [T, Hv]; inverse (A~):
@@ -855,7 +866,8 @@ def fused_backward_grads(q, k, v, gamma, beta, inverse, chunk_states, do, dht, s
     walk_bounds(ahead=True). rstds: (q_rstd, k_rstd) float32 [T, Hqk] when q, k are the L2 norm's inputs: dq, dk
     are then those of q^, k^ (the norm's backward is the caller's), or with l2norm_backward (Hv = Hqk only) those
     of q, k. timeline: int64 [P * Hv, 4, TIMELINE_CHUNKS, slots] (timeline_shape) to fill with the clock at each
-    role's TIMELINE_EVENTS; the outputs are unchanged. async_products: fused_backward_program's (a candidate).
+    role's TIMELINE_EVENTS; the outputs are unchanged. async_products, registers (None: the walk's):
+    fused_backward_program's (candidates).
     dq, dk, dv bf16 [T, Hv, 128]; dg, dbeta float32 [T, Hv]; dh0 float32 [N, Hv, 128, 128].
     """
     num_tokens = q.shape[0]
@@ -872,7 +884,8 @@ def fused_backward_grads(q, k, v, gamma, beta, inverse, chunk_states, do, dht, s
     dg = torch.empty(num_tokens, num_v_heads, **f32)
     dbeta = torch.empty(num_tokens, num_v_heads, **f32)
     dh0 = torch.empty(cu_seqlens.numel() - 1, num_v_heads, HEAD_DIM, HEAD_DIM, **f32)
-    kernel = compile_fused_backward(rstds is not None, timeline is not None, l2norm_backward, async_products)
+    kernel = compile_fused_backward(rstds is not None, timeline is not None, l2norm_backward, async_products,
+                                    _REGISTERS if registers is None else tuple(registers))
     if rstds is None:
         rstds = (torch.empty(1, q.shape[1], **f32),) * 2
     if timeline is None:

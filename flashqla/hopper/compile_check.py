@@ -15,7 +15,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from flashqla.hopper.backward_fused import compile_fused_backward
+from flashqla.hopper.backward_fused import DELTA_HEAVY_REGISTERS, compile_fused_backward
 from flashqla.hopper.causal_conv import compile_conv_backward, compile_conv_forward
 from flashqla.hopper.chunk_states import compile_chunk_states
 from flashqla.hopper.fused_forward import compile_fused_forward
@@ -36,6 +36,9 @@ COMPILE_CHECKS = [
     ("backward_fused_async_products", lambda: compile_fused_backward(async_products=True)),
     ("backward_fused_async_products_normalizing_qk", lambda: compile_fused_backward(True, async_products=True)),
     ("backward_fused_async_products_l2norm", lambda: compile_fused_backward(True, False, True, async_products=True)),
+    ("backward_fused_delta_heavy_registers", lambda: compile_fused_backward(registers=DELTA_HEAVY_REGISTERS)),
+    ("backward_fused_delta_heavy_registers_normalizing_qk",
+     lambda: compile_fused_backward(True, registers=DELTA_HEAVY_REGISTERS)),
     ("causal_conv_forward", lambda: compile_conv_forward("bfloat16")),
     ("causal_conv_backward", lambda: compile_conv_backward("bfloat16")),
     ("causal_conv_forward_one_lane", lambda: compile_conv_forward("bfloat16", lanes=1)),  # odd widths

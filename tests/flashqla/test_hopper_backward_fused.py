@@ -1,8 +1,10 @@
 """GPU tests of the backward in one reverse walk (flashqla/hopper/backward_fused.py, the op's backward): every
 gradient against autograd through the float64 chunked reference on the backward's grid; with q, k through the
 in-kernel L2 norm, against the walk on q^, k^ carried through the norm's backward in float64 (and the candidate
-with the norm's backward inside the walk against the walk); the candidate with asynchronous products bitwise
-against the walk; bitwise determinism. Pieces: test_hopper_backward_pieces.py."""
+with the norm's backward inside the walk against the walk); the candidates with asynchronous products and with
+another register budget bitwise against the walk; bitwise determinism. Pieces: test_hopper_backward_pieces.py."""
+import re
+
 import pytest
 import torch
 
@@ -114,12 +116,15 @@ def test_the_norms_backward_in_the_walk_matches_its_own_kernel(heads, lengths):
     ((16, 16), RAGGED, "in_walk"), ((4, 4), [8192], "in_walk")],
     ids=["16_64_1x4096", "2_8_ragged", "2_8_ragged_norm", "16_16_1x8192_norm", "16_16_ragged_norm_in_walk",
          "4_4_1x8192_norm_in_walk"])
-def test_async_products_are_bitwise_the_walk(heads, lengths, norm):
+def test_candidates_are_bitwise_the_walk(heads, lengths, norm):
     """async_products issues the delta role's products without waiting for each; the same products in the same
     order, so every gradient is bitwise the walk's: on full and partial chunks, pieces with warm-up chunks (one
     long sequence), with and without the norm (whose variants keep a product more in flight), the norm's backward
     in the walk too. A wait too few reads an accumulator before its product is done, a barrier arrived too early
-    lets another role overwrite an operand: either changes bits."""
+    lets another role overwrite an operand: either changes bits. The register budget with the loads role at 24
+    (DELTA_HEAVY_REGISTERS) changes no arithmetic either, alone and with asynchronous products."""
+    from flashqla.hopper.backward_fused import DELTA_HEAVY_REGISTERS
+
     if norm is None:
         inputs, do, dht = make_backward_inputs(lengths, *heads, True)
         keywords = {}
@@ -127,10 +132,13 @@ def test_async_products_are_bitwise_the_walk(heads, lengths, norm):
         inputs, do, dht, keywords = unnormalised_inputs_and_rstds(lengths, heads)
         keywords["norm_in_fused_walk"] = norm == "in_walk"
     walk = run_backward(inputs, do, dht, **keywords)
-    in_flight = run_backward(inputs, do, dht, async_products=True, **keywords)
-    different = [name for name, a, b in zip(GRAD_NAMES, walk, in_flight) if not torch.equal(a, b)]
-    assert not different, [(name, float(relative_error(a, b))) for name, a, b in zip(GRAD_NAMES, walk, in_flight)
-                           if name in different]
+    failures = []
+    for switches in (dict(async_products=True), dict(walk_registers=DELTA_HEAVY_REGISTERS),
+                     dict(async_products=True, walk_registers=DELTA_HEAVY_REGISTERS)):
+        candidate = run_backward(inputs, do, dht, **switches, **keywords)
+        failures += [(switches, name, float(relative_error(a, b))) for name, a, b in zip(GRAD_NAMES, walk, candidate)
+                     if not torch.equal(a, b)]
+    assert not failures, failures
 
 
 @pytest.mark.gpu
@@ -155,3 +163,14 @@ def test_the_norms_backward_in_the_walk_refuses_what_it_cannot_do(num_qk_heads, 
     rstds = (torch.ones(64, num_qk_heads),) * 2 if with_rstds else None
     with pytest.raises(ValueError, match=r"l2norm_backward needs rstds and as many q, k heads as value heads"):
         fused_backward_grads(q, q, v, *[None] * 11, rstds=rstds, l2norm_backward=True)
+
+
+@pytest.mark.parametrize("registers", [(160, 184, 152, 24), (160, 168, 152, 20), (160, 168, 152), (120, 168, 152, 32)],
+                         ids=["over_64k", "below_the_floor", "three_roles", "state_lowered"])
+def test_the_walks_register_budget_refuses_what_setmaxnreg_cannot_do(registers):
+    """CPU, before anything is built: four budgets, multiples of 8, the loads' lowered to no less than 24, the
+    others raised, within the SM's 64K registers."""
+    from flashqla.hopper.backward_fused import fused_backward_program
+
+    with pytest.raises(ValueError, match=r"registers must be 4 multiples of 8.*got " + re.escape(str(registers))):
+        fused_backward_program(registers=registers)

@@ -46,6 +46,9 @@ SPILL_CEILINGS = {
     "backward_fused_async_products": 256,
     "backward_fused_async_products_normalizing_qk": 568,
     "backward_fused_async_products_l2norm": 484,
+    # the loads role at 24 registers, the delta role at 176 (a candidate)
+    "backward_fused_delta_heavy_registers": 208,
+    "backward_fused_delta_heavy_registers_normalizing_qk": 492,
 }
 
 
@@ -77,7 +80,7 @@ def test_fused_backward_fits_a_blocks_shared_memory(normalize_qk, l2norm_backwar
 def warp_specialised_kernels():
     """(name, builder) of the kernels whose roles run on their own warpgroups: the forward walk and the fused
     reverse walk."""
-    from flashqla.hopper.backward_fused import compile_fused_backward
+    from flashqla.hopper.backward_fused import DELTA_HEAVY_REGISTERS, compile_fused_backward
     from flashqla.hopper.fused_forward import compile_fused_forward
 
     return [(f"fused_forward_{value_block}",
@@ -87,7 +90,8 @@ def warp_specialised_kernels():
             normalize_qk, l2norm_backward=norm))
         for variant, normalize_qk, norm in (("plain", False, False), ("normalizing_qk", True, False),
                                             ("l2norm", True, True))] + [
-        ("fused_backward_async_products_normalizing_qk", lambda: compile_fused_backward(True, async_products=True))]
+        ("fused_backward_async_products_normalizing_qk", lambda: compile_fused_backward(True, async_products=True)),
+        ("fused_backward_delta_heavy_registers", lambda: compile_fused_backward(registers=DELTA_HEAVY_REGISTERS))]
 
 
 @pytest.mark.parametrize("name,build", warp_specialised_kernels(), ids=[name for name, _ in warp_specialised_kernels()])
