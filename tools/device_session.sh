@@ -207,7 +207,7 @@ print(first_call_s(implementations([])["ours"], make_inputs(heads, lens)))' "${N
         if [ "$form" = main ]; then cp /tmp/backward_fused_main.py "$kernel"; else cp ".devkit/alt/backward_fused_$form.py" "$kernel"; fi
         case $1 in
         fused-bench:*)
-            step "$1" 90 30 "$PYTHON" -m flashqla.bench --compare backward_fused --rep 50 --json "$LOGS/compare-$form.json" ;;
+            step "$1" 150 30 "$PYTHON" -m flashqla.bench --compare backward_fused --rep 50 --json "$LOGS/compare-$form.json" ;;
         fused-timeline:*)
             step "$1" 60 25 bash -c 'for mode in "" --model; do
                 '"$PYTHON"' tools/walk_timeline.py --backward $mode --heads 16/16 --lengths 131072 \
