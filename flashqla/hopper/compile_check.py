@@ -69,13 +69,16 @@ def compile_all(dump: Path | None = None) -> list[str]:
 
 PTXAS_USAGE = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads"
                          r".*?Used (\d+) registers", re.S)
+# ptxas' performance warnings about wgmma (C7510-C7520: serialised, or a warpgroup.wait injected)
+WGMMA_SERIALISED = re.compile(r"\(C75\d\d\)[^\n]*wgmma")
 
 
 def ptxas_resources(kernel) -> dict[str, int]:
     """What ptxas allots a compiled TileLang kernel: {"registers", "spill_stores", "spill_loads", "stack"}
-    (bytes a thread), and "serialised_wgmma" (1 where ptxas serialises the kernel's wgmmas, waiting for each
-    before the next: C7510-C7520, e.g. C7512 for want of registers with products in flight). Recompiles the
-    kernel's CUDA with TileLang's own nvcc options and ptxas --verbose (TileLang keeps ptxas' report to itself)."""
+    (bytes a thread), and "serialised_wgmma" (1 where ptxas warns that it serialises or waits on the kernel's
+    wgmmas: any of its C75xx lines naming wgmma, e.g. C7512 for want of registers with products in flight).
+    Recompiles the kernel's CUDA with TileLang's own nvcc options and ptxas --verbose (TileLang keeps ptxas'
+    report to itself)."""
     import tilelang
     from tilelang.env import CUTLASS_INCLUDE_DIR, TILELANG_TEMPLATE_PATH
 
@@ -93,7 +96,7 @@ def ptxas_resources(kernel) -> dict[str, int]:
         raise RuntimeError(f"no ptxas usage line in:\n{report}")
     stack, spill_stores, spill_loads, registers = map(int, match.groups())
     return dict(registers=registers, spill_stores=spill_stores, spill_loads=spill_loads, stack=stack,
-                serialised_wgmma=int("wgmma.mma_async instructions are serialized" in report))
+                serialised_wgmma=int(WGMMA_SERIALISED.search(report) is not None))
 
 
 # the most shared memory a block may have on H100 and H200 (cudaDevAttrMaxSharedMemoryPerBlockOptin)
