@@ -132,8 +132,9 @@ def main(argv=None) -> None:
                              "the fused walk timed three times in this process")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    options = dict.fromkeys(args.option, True)
     if args.backward:
-        return backward_timeline(args)
+        return backward_timeline(args, options)
 
     import torch
 
@@ -143,7 +144,6 @@ def main(argv=None) -> None:
     heads = tuple(int(h) for h in args.heads.split("/"))
     walk, plan = forward_walk_on(heads, [int(n) for n in args.lengths.split(",")])
     store = args.keep == "everything"
-    options = {name: True for name in args.option}
 
     def run(timeline=None):
         return walk(store, timeline=timeline, **options)
@@ -152,13 +152,13 @@ def main(argv=None) -> None:
                          device=plan.pieces.device)
     record_and_report(run, stamps, lambda plain, recorded: torch.equal(plain[0], recorded[0]), TIMELINE_EVENTS,
                       f"{args.heads} x {args.lengths}, storing {args.keep}, V block {plan.value_block}, "
-                      f"{stamps.shape[0]} CTAs" + "".join(f", {name}" for name in args.option), args)
+                      f"{stamps.shape[0]} CTAs", args)
 
 
 def record_and_report(run, stamps, same_outputs, events, header: str, args, own: tuple[str, str] | None = None):
     """Runs the walk plainly and recording into stamps (a first recording run compiles its kernel), raises where
     same_outputs(plain, recorded) says the recording changed the outputs, then prints (and with --json writes) the
-    summary of the stamps, and with --spread how periods spread over CTAs and chunks (own: as `spread`'s)."""
+    summary of the stamps under header (and the --option names), and with --spread how periods spread over CTAs and chunks (own: as `spread`'s)."""
     import torch
 
     plain = run()
@@ -170,7 +170,7 @@ def record_and_report(run, stamps, same_outputs, events, header: str, args, own:
         raise AssertionError("the recording walk's outputs differ from the walk's")
     clocks = stamps.cpu().numpy()
     summary = summarize(clocks, events, args.skip)
-    print(header)
+    print(header + "".join(f", {name}" for name in args.option))
     print("\n".join(format_summary(summary)))
     if args.spread:
         summary["spread"] = spread(clocks, events, own)
@@ -179,7 +179,7 @@ def record_and_report(run, stamps, same_outputs, events, header: str, args, own:
         Path(args.json).write_text(json.dumps(summary, indent=1))
 
 
-def backward_timeline(args) -> None:
+def backward_timeline(args, options: dict) -> None:
     """The fused reverse walk's timeline on the bench's inputs from the forward's kept tensors; its chunk period is
     the state role's (one chunk of the state gradient's chain)."""
     import torch
@@ -192,7 +192,6 @@ def backward_timeline(args) -> None:
     heads = tuple(int(h) for h in args.heads.split("/"))
     seq_lens = [int(n) for n in args.lengths.split(",")]
     backward_on = kept_backward_on(heads, seq_lens, like_the_model=args.model)
-    options = {name: True for name in args.option}
 
     def run(timeline=None):
         return backward_on(timeline, **options)
@@ -209,7 +208,7 @@ def backward_timeline(args) -> None:
     record_and_report(run, stamps,
                       lambda plain, recorded: all(torch.equal(a, b) for a, b in zip(plain, recorded)), TIMELINE_EVENTS,
                       f"backward {args.heads} x {args.lengths}{' (the model)' if args.model else ''}, "
-                      f"{stamps.shape[0]} CTAs{times}" + "".join(f", {name}" for name in args.option), args,
+                      f"{stamps.shape[0]} CTAs{times}", args,
                       own=("delta", "delta"))
 
 
