@@ -158,7 +158,8 @@ def main(argv=None) -> None:
 def record_and_report(run, stamps, same_outputs, events, header: str, args, own: tuple[str, str] | None = None):
     """Runs the walk plainly and recording into stamps (a first recording run compiles its kernel), raises where
     same_outputs(plain, recorded) says the recording changed the outputs, then prints (and with --json writes) the
-    summary of the stamps under header (and the --option names), and with --spread how periods spread over CTAs and chunks (own: as `spread`'s)."""
+    summary of the stamps under header (and the --option names), and with --spread how periods spread over CTAs and
+    chunks (own: as `spread`'s)."""
     import torch
 
     plain = run()
