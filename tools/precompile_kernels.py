@@ -191,10 +191,10 @@ def compile_walks() -> None:
 
 def compile_fused_backward_forms(paths: list[str]) -> None:
     """The fused reverse walk (flashqla/hopper/backward_fused.py, one kernel a variant: run-time shapes) in the
-    variants its bench, tests and timelines run (plain, the L2 norm, each also recording its timeline; the norm's
-    backward inside the walk, asynchronous products and the delta-heavy register budget where a form has them),
-    from the tree's file and from each candidate form's file in paths (tools/device_session.sh's fused-*:FORM parts
-    put .devkit/alt/backward_fused_FORM.py in the tree's place; the cache keys do not depend on the file's path)."""
+    variants its bench, tests and timelines run (plain, the L2 norm, the norm's backward inside the walk, each also
+    recording its timeline; the delta-heavy register budget where a form has it), from the tree's file and from
+    each candidate form's file in paths (tools/device_session.sh's fused-*:FORM parts put
+    .devkit/alt/backward_fused_FORM.py in the tree's place; the cache keys do not depend on the file's path)."""
     import importlib
     import importlib.util
     import inspect
@@ -207,18 +207,17 @@ def compile_fused_backward_forms(paths: list[str]) -> None:
     for name, module in zip(["the tree's", *paths], modules):
         started = time.time()
         switches = inspect.signature(module.compile_fused_backward).parameters
-        candidates = [{}]
-        if "async_products" in switches:
-            candidates.append(dict(async_products=True))
+        norms = [(False, {}), (True, {})]
+        if "l2norm_backward" in switches:
+            norms.append((True, dict(l2norm_backward=True)))  # the norm's backward inside
+        budgets = [{}]
         if "registers" in switches:
-            candidates += [dict(candidate, registers=module.DELTA_HEAVY_REGISTERS) for candidate in candidates]
-        for extra in candidates:
-            for normalize_qk in (False, True):
-                # tools/walk_timeline.py --backward takes boolean switches only
-                for record_timeline in (False, True) if "registers" not in extra else (False,):
-                    module.compile_fused_backward(normalize_qk, record_timeline, **extra)
-            if "l2norm_backward" in switches:
-                module.compile_fused_backward(True, False, l2norm_backward=True, **extra)  # the norm's backward inside
+            budgets.append(dict(registers=module.DELTA_HEAVY_REGISTERS))
+        for budget in budgets:
+            for normalize_qk, norm in norms:
+                # tools/walk_timeline.py --backward records the walk's own budget only
+                for record_timeline in (False, True) if not budget else (False,):
+                    module.compile_fused_backward(normalize_qk, record_timeline, **norm, **budget)
         print(f"fused backward, {name}: {time.time() - started:.0f} s", flush=True)
 
 

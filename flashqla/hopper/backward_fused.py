@@ -73,16 +73,11 @@ _ROLE_LEADERS = {"state": 0, "delta": WARPGROUP, "products": 2 * WARPGROUP, "loa
 
 
 def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = False, l2norm_backward: bool = False,
-                           async_products: bool = False, registers: tuple[int, int, int, int] = _REGISTERS):
+                           registers: tuple[int, int, int, int] = _REGISTERS):
     """record_timeline: also write the clock at every TIMELINE_EVENTS point (a diagnostic: same outputs).
-    l2norm_backward (with normalize_qk; candidate: its GPU tests pass, not timed yet): dq and dk come out as the
-    gradients of q and k, the norm's backward applied on chip, for layouts where a value head has its own q, k
-    head (else the group is summed first, outside).
-    async_products (candidate, never run on a GPU): the delta role issues some products without waiting for each
-    (T.wgmma_gemm) and waits where it reads them: Pm^T dO with K dS1, Y K with Y^T K, Z^T Q under dq's first
-    product, and with the norm E Delta dS1^T under dU and dv's store (without the norm ptxas then serialises every
-    wgmma for want of registers: C7512). The same products in the same order: the gradients are bitwise the
-    walk's.
+    l2norm_backward (with normalize_qk): dq and dk come out as the gradients of q and k, the norm's backward
+    applied on chip, for layouts where a value head has its own q, k head (else the group is summed first,
+    outside).
     registers: each role's registers a thread (state, delta, products, loads; DELTA_HEAVY_REGISTERS is a
     candidate's): the first three raised from the 128 a thread starts with, the loads' lowered, multiples of 8
     that fit the SM's 64K."""
@@ -92,7 +87,6 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
             and 24 <= registers[3] <= 128 and WARPGROUP * sum(registers) <= 65536):
         raise ValueError(f"fused_backward_program: registers must be 4 multiples of 8, the first three in [128, 256], "
                          f"the last in [24, 128], summing to at most {65536 // WARPGROUP}; got {registers}")
-    dk_state_early = async_products and normalize_qk
     K = V = HEAD_DIM
     num_v_heads = T.dynamic("num_v_heads")
     num_qk_heads = T.dynamic("num_qk_heads")
@@ -104,24 +98,6 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
     timeline_ctas = T.dynamic("timeline_ctas")
     op = "bfloat16"
     f32 = "float32"
-
-    @T.macro
-    def product(a, b, c, transpose_A=False, transpose_B=False, clear_accum=False):
-        """c (+)= a b on the calling warpgroup's tensor cores: with async_products issued and left in flight
-        (products_done waits for it), else waited for."""
-        if async_products:
-            T.wgmma_gemm(a, b, c, transpose_A=transpose_A, transpose_B=transpose_B, clear_accum=clear_accum)
-        else:
-            T.gemm(a, b, c, transpose_A=transpose_A, transpose_B=transpose_B, clear_accum=clear_accum)
-
-    @T.macro
-    def products_done(in_flight, *accumulators):
-        """With async_products: all but the in_flight newest products issued are done, and the accumulators
-        (64 x 128 float32 fragments of one warpgroup) are not read above this point."""
-        if async_products:
-            T.wait_wgmma(in_flight)
-            for accumulator in accumulators:
-                T.warpgroup_fence_operand(accumulator, num_regs=_C * HEAD_DIM // WARPGROUP)
 
     @T.macro
     def stamp(cta, role, c, event):
@@ -387,12 +363,11 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
             stamp(cta, "delta", c, "delta_handed")
             # dDelta = E K dS1 + Pm^T dO: the second term before dS1 arrives
             T.barrier_wait(sh.do_full[0], c % 2)
-            product(sh.pm, sh.do, pm_do, transpose_A=True, clear_accum=True)
+            T.gemm(sh.pm, sh.do, pm_do, transpose_A=True, clear_accum=True)
             stamp(cta, "delta", c, "pm_do")
             T.barrier_wait(sh.ds_ready[0], c % 2)
             stamp(cta, "delta", c, "ds_ready")
-            product(sh.k, sh.ds, acc, clear_accum=True)
-            products_done(0, pm_do, acc)
+            T.gemm(sh.k, sh.ds, acc, clear_accum=True)
             for t, d in T.Parallel(_C, V):
                 acc[t, d] = acc[t, d] * times_rstd(sh.rdec[t], rk(sh), t) + pm_do[t, d]
             if c > 0:
@@ -403,12 +378,7 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
             T.barrier_arrive(sh.dd_ready[0])
             stamp(cta, "delta", c, "dd_handed")
             # dW = Ab^T dDelta = dv;  dU = -D r_k dW, for the state and dk
-            product(sh.ab, sh.dd, acc, transpose_A=True, clear_accum=True)
-            if dk_state_early and own:  # dk's E Delta dS1^T (below) in flight under dU and dv's store
-                product(sh.delta, sh.ds, dk, transpose_B=True, clear_accum=True)
-                products_done(1, acc)
-            else:
-                products_done(0, acc)
+            T.gemm(sh.ab, sh.dd, acc, transpose_A=True, clear_accum=True)
             T.barrier_arrive(sh.prod_free[0])
             stamp(cta, "delta", c, "dw")
             T.barrier_wait(sh.dog_free[0], c % 2)
@@ -423,10 +393,7 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
                 store_rows(sh, cta, acc, dv, start, length, 0, V, stage=sh.dd)
             # dk's state terms and dgamma's D and E terms (module docstring)
             if own:
-                if dk_state_early:
-                    products_done(0, dk)
-                else:
-                    T.gemm(sh.delta, sh.ds, dk, transpose_B=True, clear_accum=True)
+                T.gemm(sh.delta, sh.ds, dk, transpose_B=True, clear_accum=True)
                 T.tma_store_wait(0)  # dv's store has read dDelta's buffer, where the products role's tile goes next
             T.barrier_arrive(sh.dd_read[0])
             T.barrier_arrive(sh.ds_free[0])
@@ -456,16 +423,12 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
             stamp(cta, "delta", c, "dpm_ready")
             # dq = scale D dO S0^T + dPm K^ as r_q dq = r_q scale D dO S0^T + Z K (module docstring), in two halves
             # of its columns beside dk; dgamma gains rowsum(the first term . Q^)
-            if own and async_products:  # dk's Z^T Q (below) in flight under dq's first product, whose wait takes it
-                T.wgmma_gemm(sh.cols, sh.q, dk, transpose_A=True)
             if own:
                 if l2norm_backward:
                     dq_through_the_norm(sh, cta, start, length, dq_head, dq, rows_half, dq_rows, q_dots)
                 else:
                     dq_half(sh, cta, start, length, dq_head, dq, rows_half, dq_rows, 0)
                     dq_half(sh, cta, start, length, dq_head, dq, rows_half, dq_rows, K // 2)
-            if async_products:
-                T.barrier_arrive(sh.dpm_read[0])
             T.barrier_arrive(sh.do_free[0])
             T.barrier_arrive(sh.vs_free[0])
             stamp(cta, "delta", c, "dq")
@@ -475,10 +438,9 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
             T.barrier_arrive(sh.vg_ready[0])
             stamp(cta, "delta", c, "vg_handed")
             # dk += dPm^T Q^ + X K^ + X^T K^, as r_k dk: Z^T Q + Y K + Y^T K (module docstring)
-            if own and not async_products:
+            if own:
                 T.gemm(sh.cols, sh.q, dk, transpose_A=True)
-            if not async_products:
-                T.barrier_arrive(sh.dpm_read[0])
+            T.barrier_arrive(sh.dpm_read[0])
             stamp(cta, "delta", c, "zq")
             T.barrier_wait(sh.x_ready[0], c % 2)
             stamp(cta, "delta", c, "x_ready")
@@ -486,9 +448,8 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
                 if normalize_qk and not l2norm_backward:  # r_k kept past the release of the chunk's q, k below
                     for t in T.Parallel(_C):
                         rk_rows[t] = sh.k_rstd[t]
-                product(sh.cols, sh.k, dk)
-                product(sh.cols, sh.k, dk, transpose_A=True)
-                products_done(0, dk)
+                T.gemm(sh.cols, sh.k, dk)
+                T.gemm(sh.cols, sh.k, dk, transpose_A=True)
             T.barrier_arrive(sh.x_free[0])
             if own:
                 if l2norm_backward:  # as dq's (dq_through_the_norm), while k is still in: y - r^2 k (k . y)
@@ -849,15 +810,14 @@ def fused_backward_program(normalize_qk: bool = False, record_timeline: bool = F
 
 @functools.lru_cache(maxsize=None)
 def compile_fused_backward(normalize_qk: bool = False, record_timeline: bool = False, l2norm_backward: bool = False,
-                           async_products: bool = False, registers: tuple[int, int, int, int] = _REGISTERS):
-    return compile_for_hopper(fused_backward_program(normalize_qk, record_timeline, l2norm_backward, async_products,
-                                                     tuple(registers)), fast_math=True)
+                           registers: tuple[int, int, int, int] = _REGISTERS):
+    return compile_for_hopper(fused_backward_program(normalize_qk, record_timeline, l2norm_backward, tuple(registers)),
+                              fast_math=True)
 
 
 def fused_backward_grads(q, k, v, gamma, beta, inverse, chunk_states, do, dht, scale, cu_seqlens, offsets, pieces,
                          walk_end, rstds: tuple | None = None, timeline: torch.Tensor | None = None,
-                         l2norm_backward: bool = False, async_products: bool = False,
-                         registers: tuple[int, int, int, int] | None = None):
+                         l2norm_backward: bool = False, registers: tuple[int, int, int, int] | None = None):
     """(dq, dk per value head, dv, dg, dbeta, dh0) on flattened bf16 inputs.
 
     q, k: [T, Hqk, 128]; v, do: [T, Hv, 128]; gamma (chunk-local cumsum), beta: float32 [T, Hv]; inverse (A~):
@@ -866,8 +826,7 @@ def fused_backward_grads(q, k, v, gamma, beta, inverse, chunk_states, do, dht, s
     walk_bounds(ahead=True). rstds: (q_rstd, k_rstd) float32 [T, Hqk] when q, k are the L2 norm's inputs: dq, dk
     are then those of q^, k^ (the norm's backward is the caller's), or with l2norm_backward (Hv = Hqk only) those
     of q, k. timeline: int64 [P * Hv, 4, TIMELINE_CHUNKS, slots] (timeline_shape) to fill with the clock at each
-    role's TIMELINE_EVENTS; the outputs are unchanged. async_products, registers (None: the walk's):
-    fused_backward_program's (candidates).
+    role's TIMELINE_EVENTS; the outputs are unchanged. registers (None: the walk's): fused_backward_program's.
     dq, dk, dv bf16 [T, Hv, 128]; dg, dbeta float32 [T, Hv]; dh0 float32 [N, Hv, 128, 128].
     """
     num_tokens = q.shape[0]
@@ -884,7 +843,7 @@ def fused_backward_grads(q, k, v, gamma, beta, inverse, chunk_states, do, dht, s
     dg = torch.empty(num_tokens, num_v_heads, **f32)
     dbeta = torch.empty(num_tokens, num_v_heads, **f32)
     dh0 = torch.empty(cu_seqlens.numel() - 1, num_v_heads, HEAD_DIM, HEAD_DIM, **f32)
-    kernel = compile_fused_backward(rstds is not None, timeline is not None, l2norm_backward, async_products,
+    kernel = compile_fused_backward(rstds is not None, timeline is not None, l2norm_backward,
                                     _REGISTERS if registers is None else tuple(registers))
     if rstds is None:
         rstds = (torch.empty(1, q.shape[1], **f32),) * 2
