@@ -26,7 +26,8 @@
 #   fused-bench:FORM    the fused reverse walk's forms side by side in one call (FORM: main, the tree's
 #   fused-timeline:FORM flashqla/hopper/backward_fused.py, or NAME for .devkit/alt/backward_fused_NAME.py, put in its
 #   fused-tests:FORM    place for the step): --compare backward_fused, tools/walk_timeline.py --backward plain and
-#                       --model on 16/16 x 131072, its GPU tests (JSON in logs.tgz: compare-FORM, timeline-FORM[-model])
+#                       --model on 16/16 x 131072 (FUSED_TIMELINE="16/48 32768": another shape), its GPU tests (JSON in
+#                       logs.tgz: compare-FORM, timeline-FORM[-model])
 #   fused-spread:FORM   walk_timeline.py --backward --spread (times three runs, per-CTA spread of the periods) on the
 #                       shapes where the fused walk's time is erratic: 2/8 x 32768 and 8/8 x 131072, plain and --model
 #   attention           python -m benchmarks.attention_backends (SDPA's kernels and varlen_attn; ATTENTION_ARGS)
@@ -209,8 +210,9 @@ print(first_call_s(implementations([])["ours"], make_inputs(heads, lens)))' "${N
         fused-bench:*)
             step "$1" 150 30 "$PYTHON" -m flashqla.bench --compare backward_fused --rep 50 --json "$LOGS/compare-$form.json" ;;
         fused-timeline:*)
+            local shape=(${FUSED_TIMELINE:-16/16 131072})
             step "$1" 60 25 bash -c 'for mode in "" --model; do
-                '"$PYTHON"' tools/walk_timeline.py --backward $mode --heads 16/16 --lengths 131072 \
+                '"$PYTHON"' tools/walk_timeline.py --backward $mode --heads '"${shape[0]}"' --lengths '"${shape[1]}"' \
                     '"${WALK_OPTION:+--option $WALK_OPTION}"' \
                     --json "'"$LOGS/timeline-$form${WALK_OPTION:+-$WALK_OPTION}"'${mode:+-model}.json" || exit 1
             done' ;;
