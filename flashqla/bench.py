@@ -476,7 +476,7 @@ def compare_forward_walk(rep_ms: int):
 def kept_backward_on(heads: tuple[int, int], seq_lens: list[int], like_the_model: bool):
     """backward.backward on the bench's inputs from the forward's kept tensors (needs CUDA), with random dO (and
     dht where the inputs have a final state): returns run(timeline=None, **switches), the gradients of one call
-    (switches: backward's keywords, e.g. walk_registers)."""
+    (switches: backward's keywords, e.g. norm_in_fused_walk)."""
     from flashqla.hopper.backward import backward
     from flashqla.hopper.forward import forward
 
@@ -499,28 +499,40 @@ def kept_backward_on(heads: tuple[int, int], seq_lens: list[int], like_the_model
 
 def compare_backward_fused(rep_ms: int):
     """The backward from the forward's kept tensors (the reverse walk, backward_fused.py), with the L2 norm as the
-    model calls the op ("model"; where Hv = Hqk the norm's backward inside the walk) and on the anchors' normalised
-    inputs with h0 ("plain"), beside the candidate whose delta role has 8 registers more ("delta 176 registers",
-    backward_fused.DELTA_HEAVY_REGISTERS), which raises unless its gradients are bitwise the walk's. A form of the
-    walk (tools/device_session.sh fused-bench:FORM) is timed against another by two such runs."""
+    model calls the op ("model") and on the anchors' normalised inputs with h0 ("plain"), beside the candidate
+    whose delta role has 8 registers more ("delta 176 registers", backward_fused.DELTA_HEAVY_REGISTERS), which
+    raises unless its gradients are bitwise the walk's; where each value head has its own q, k head, in model mode,
+    also the candidate with the norm's backward inside the walk ("norm in walk", which raises where a gradient of it
+    is more than 1e-2 (relative L2) from the walk's), alone and with the register budget (bitwise it or raises). A
+    form of the walk (tools/device_session.sh fused-bench:FORM) is timed against another by two such runs."""
     from flashqla.hopper.backward_fused import DELTA_HEAVY_REGISTERS
+    from flashqla.testing import relative_error
 
     shapes = INVERSE_SHAPES + [("16/32 1x65536", (16, 32), [65536]), ("16/16 ragged", (16, 16), [1000, 0, 64, 2047, 1,
                                                                                                     129, 640] * 8)]
     labels = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
+    registers = dict(walk_registers=DELTA_HEAVY_REGISTERS)
     for name, heads, seq_lens in shapes:
         for mode in ("model", "plain"):
             run = kept_backward_on(heads, seq_lens, like_the_model=mode == "model")
-            candidates = {"delta 176 registers": dict(walk_registers=DELTA_HEAVY_REGISTERS)}
-            walk = run()
-            for variant, switches in candidates.items():
-                for label, a, b in zip(labels, walk, run(**switches)):
+            variants = {"fused": {}, "delta 176 registers": registers}
+            bitwise = [("fused", "delta 176 registers")]  # (the walk, its candidate)
+            if mode == "model" and heads[0] == heads[1]:
+                in_walk = dict(norm_in_fused_walk=True)
+                variants |= {"norm in walk": in_walk, "norm in walk, 176 registers": in_walk | registers}
+                bitwise.append(("norm in walk", "norm in walk, 176 registers"))
+                for label, a, b in zip(labels, run(), run(**in_walk)):
+                    error = float(relative_error(b, a))
+                    if not error <= 1e-2:  # also catches NaN
+                        raise AssertionError(f"backward_fused {name} {mode}: the norm in the walk's {label} is "
+                                             f"{error:.2e} from the walk's")
+            for walk, candidate in bitwise:
+                for label, a, b in zip(labels, run(**variants[walk]), run(**variants[candidate])):
                     if not torch.equal(a, b):
-                        raise AssertionError(f"backward_fused {name} {mode}: {variant}'s {label} is not bitwise the "
-                                             f"walk's")
-            del walk
+                        raise AssertionError(f"backward_fused {name} {mode}: {candidate}'s {label} is not bitwise "
+                                             f"{walk}'s")
             yield f"{name} {mode}", {variant: _median_ms(lambda: run(**switches), rep_ms)
-                                     for variant, switches in {"fused": {}, **candidates}.items()}
+                                     for variant, switches in variants.items()}
             del run
             torch.cuda.empty_cache()
 

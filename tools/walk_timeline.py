@@ -209,8 +209,7 @@ def backward_timeline(args, options: dict) -> None:
     record_and_report(run, stamps,
                       lambda plain, recorded: all(torch.equal(a, b) for a, b in zip(plain, recorded)), TIMELINE_EVENTS,
                       f"backward {args.heads} x {args.lengths}{' (the model)' if args.model else ''}, "
-                      f"{stamps.shape[0]} CTAs{times}", args,
-                      own=("delta", "delta"))
+                      f"{stamps.shape[0]} CTAs{times}", args, own=("delta", "delta"))
 
 
 if __name__ == "__main__":

@@ -7,8 +7,7 @@
    stays on chip while dq, dk, dv, dg, dbeta of each chunk (§3.2-3.3) and dh0 are made. Sequences
    the forward's plan cut are walked in the same pieces, each from a decay-truncated warm-up after
    its end (walk_bounds.py, docs/gdn-math.md §4).
-3. The backward of the q/k L2 norm when the forward applied it: inside the walk where every value head
-   has its own q, k head, else in its own kernel (l2norm.py) after the head-group sum.
+3. The backward of the q/k L2 norm when the forward applied it (l2norm.py).
 dq and dk come per value head and are summed over each head group in one deterministic pass (no
 atomics): in the L2 norm's backward kernel when the forward applied the norm, else in torch.
 """
@@ -27,7 +26,8 @@ from flashqla.hopper.walk_bounds import walk_bounds
 def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seqlens_host: list[int] | None = None,
              kept: KeptForward | None = None, log_decay_threshold: float = DEFAULT_LOG_DECAY_THRESHOLD,
              q_rstd: torch.Tensor | None = None, k_rstd: torch.Tensor | None = None,
-             timeline: torch.Tensor | None = None, walk_registers: tuple[int, int, int, int] | None = None):
+             timeline: torch.Tensor | None = None, norm_in_fused_walk: bool = False,
+             walk_registers: tuple[int, int, int, int] | None = None):
     """Gradients of (o, final_state) for inputs as given to `forward.forward`.
 
     q, k: [B, T, Hqk, 128]; v, do: [B, T, Hv, 128]; g, beta: [B, T, Hv]; initial_state, dht:
@@ -47,8 +47,11 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seq
     those of the op on q^, k^, carried through the norm to q and k. q and k must then be contiguous (the
     Function saves them so).
     timeline: the fused walk's clock stamps (backward_fused.timeline_shape for the forward plan's pieces;
-    tools/walk_timeline.py). walk_registers (candidate, e.g. backward_fused.DELTA_HEAVY_REGISTERS; None: the
-    walk's): the walk's registers a thread per role; bitwise the same gradients.
+    tools/walk_timeline.py). norm_in_fused_walk (candidate: 1.07-1.10x the walk followed by the norm's kernel,
+    docs/performance.md, forty-third session; its tests through the op have not run): the L2 norm's backward
+    inside the fused walk where every value head has its own q, k head (else its own kernel after the group
+    sum). walk_registers (candidate, e.g. backward_fused.DELTA_HEAVY_REGISTERS; None: the walk's): the walk's
+    registers a thread per role; bitwise the same gradients.
     """
     reason = unsupported_inputs(q, v)
     if reason is not None:
@@ -104,9 +107,7 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seq
         dht = torch.zeros(num_sequences, num_v_heads, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=device)
     dht = dht.to(torch.float32).contiguous()
     walk_end = walk_bounds(gamma, plan.pieces, cu_seqlens, ahead=True, log_decay_threshold=log_decay_threshold)
-    # where every value head has its own q, k head the walk applies the norm's backward itself (no group to sum
-    # first): 1.07-1.10x the walk followed by the norm's kernel (docs/performance.md, forty-third session)
-    norm_in_walk = kernel_rstds is not None and num_v_heads == num_qk_heads
+    norm_in_walk = norm_in_fused_walk and kernel_rstds is not None and num_v_heads == num_qk_heads
     dq_head, dk_head, dv, dg, dbeta, dh0 = fused_backward_grads(
         q_flat, k_flat, v_flat, gamma, beta_flat, inverse, states, do_flat, dht, scale, cu_seqlens,
         plan.chunk_offsets, plan.pieces, walk_end, rstds=kernel_rstds, timeline=timeline, l2norm_backward=norm_in_walk,

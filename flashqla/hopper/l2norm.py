@@ -4,8 +4,8 @@ y = x * r with r = (sum(x^2) + eps)^(-1/2) over the last dim, in float32 and rou
 gradient dx = r * (dy - y * sum(y * dy)), which needs x and r (4 bytes a row): y is made again from them,
 the same bits. The op makes r inside the inverse's kernel (inverse.py, normalize_qk, the same arithmetic
 and bits) and never writes y: the forward here is its reference and the bench's unfused stage. The
-backward runs here after the fused reverse walk where value heads share a q, k head, summing each head
-group's gradients as it reads them; where Hv = Hqk the walk applies it itself (backward.py).
+backward runs here after the fused reverse walk, summing each head group's gradients as it reads them
+(backward.py; `norm_in_fused_walk`, a candidate, applies it inside the walk where Hv = Hqk).
 
 Rows of 128 elements; 16 threads a row, each with 8 neighbouring elements (one 16-byte load), so a
 warp reads two whole rows per instruction and a row's sum is four xor-shuffles inside its 16 lanes.

@@ -62,8 +62,7 @@ def test_backward_is_bitwise_deterministic(heads):
 def test_autograd_end_to_end_with_checkpointing_and_views(heads, keep):
     """chunk_gated_delta_rule(backend="tilelang") under activation checkpointing (forward run
     twice), with non-contiguous q/k/v views and in-op L2 normalisation (q, k at 3x unit norm; the
-    norm's kernel sums each head group at 2/8, the walk applies the norm's backward itself at 4/4), against the
-    reference,
+    norm's kernel sums each head group at 2/8), against the reference,
     for each of what the forward keeps (the backward rewalks the chunks, or runs the forward again)."""
     import flashqla
     from torch.utils.checkpoint import checkpoint

@@ -1,8 +1,8 @@
 """GPU tests of the backward in one reverse walk (flashqla/hopper/backward_fused.py, the op's backward): every
 gradient against autograd through the float64 chunked reference on the backward's grid; with q, k through the
-in-kernel L2 norm (its backward inside the walk where Hv = Hqk, in its own kernel where heads are grouped), against
-the walk on q^, k^ carried through the norm's backward in float64; the candidate register budget bitwise against
-the walk; bitwise determinism. Pieces: test_hopper_backward_pieces.py."""
+in-kernel L2 norm (its backward in its own kernel, and the candidate with it inside the walk where Hv = Hqk),
+against the walk on q^, k^ carried through the norm's backward in float64; the candidate register budget bitwise
+against the walk; bitwise determinism. Pieces: test_hopper_backward_pieces.py."""
 import re
 
 import pytest
@@ -80,18 +80,19 @@ def through_the_norm(grads, inputs, rstds):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not on_hopper, reason="needs an SM90 (Hopper) GPU")
-@pytest.mark.parametrize("heads,lengths", [((16, 16), RAGGED), ((4, 4), [8192]), ((2, 8), RAGGED)],
-                         ids=["16_16_ragged", "4_4_1x8192", "2_8_ragged"])
-def test_fused_backward_with_the_l2_norm_matches_the_walk_on_normalised_inputs(heads, lengths):
-    """q, k unnormalised (norms from 0.1 to 10) with the norm's r: the walk folds r into its factors and, where
-    Hv = Hqk, carries dq, dk through the norm on chip (the first half of dq waits in shared memory for the row dot
-    of both; full chunks stored by TMA, partial ones by the threads), else the norm's kernel does after summing
-    each head group (2/8); against the walk on q^, k^ made in float32 and rounded to bf16, its dq^, dk^ carried
+@pytest.mark.parametrize("heads,lengths,norm_in_walk", [
+    ((16, 16), RAGGED, False), ((2, 8), RAGGED, False), ((16, 16), RAGGED, True), ((4, 4), [8192], True)],
+    ids=["16_16_ragged", "2_8_ragged", "16_16_ragged_norm_in_walk", "4_4_1x8192_norm_in_walk"])
+def test_fused_backward_with_the_l2_norm_matches_the_walk_on_normalised_inputs(heads, lengths, norm_in_walk):
+    """q, k unnormalised (norms from 0.1 to 10) with the norm's r: the walk folds r into its factors, and the
+    norm's kernel carries dq, dk back (summing each head group at 2/8), or with norm_in_fused_walk the walk does on
+    chip (the first half of dq waits in shared memory for the row dot of both; full chunks stored by TMA, partial
+    ones by the threads); against the walk on q^, k^ made in float32 and rounded to bf16, its dq^, dk^ carried
     through the norm in float64. Both sides round to bf16 in their own places, so a (sequence, head) may differ by
     the sum of what each may be from float64 (2 x 2e-2): dg on a 129-token sequence at 2/8 differed by 2.67e-2
     (4.4e-3 over the tensor; H100, forty-first session)."""
     inputs, do, dht, rstds = unnormalised_inputs_and_rstds(lengths, heads)
-    ours = run_backward(inputs, do, dht, **rstds)
+    ours = run_backward(inputs, do, dht, norm_in_fused_walk=norm_in_walk, **rstds)
     normalised = dict(inputs)
     for name in ("q", "k"):
         r = rstds[f"{name}_rstd"].view(inputs[name].shape[:3])[..., None]
@@ -101,10 +102,24 @@ def test_fused_backward_with_the_l2_norm_matches_the_walk_on_normalised_inputs(h
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not on_hopper, reason="needs an SM90 (Hopper) GPU")
+@pytest.mark.parametrize("lengths", [RAGGED, [8192]], ids=["ragged", "1x8192"])
+@pytest.mark.parametrize("heads", [(16, 16), (4, 4)], ids=["16_16", "4_4"])
+def test_the_norms_backward_in_the_walk_matches_its_own_kernel(heads, lengths):
+    """norm_in_fused_walk: dq, dk through the norm on chip (the first half of dq waits in shared memory for the
+    row dot of both), on full chunks (stored by TMA) and partial ones (by the threads), against the walk followed
+    by the norm's own kernel (the op's path)."""
+    inputs, do, dht, rstds = unnormalised_inputs_and_rstds(lengths, heads)
+    in_walk = run_backward(inputs, do, dht, norm_in_fused_walk=True, **rstds)
+    assert_close(in_walk, run_backward(inputs, do, dht, **rstds), lengths)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not on_hopper, reason="needs an SM90 (Hopper) GPU")
 @pytest.mark.parametrize("heads,lengths,norm", [
-    ((16, 64), [4096], False), ((2, 8), RAGGED, False), ((2, 8), RAGGED, True), ((16, 16), RAGGED, True),
-    ((4, 4), [8192], True)],
-    ids=["16_64_1x4096", "2_8_ragged", "2_8_ragged_norm", "16_16_ragged_norm_in_walk", "4_4_1x8192_norm_in_walk"])
+    ((16, 64), [4096], None), ((2, 8), RAGGED, None), ((2, 8), RAGGED, "kernel"), ((16, 16), [8192], "kernel"),
+    ((16, 16), RAGGED, "in_walk"), ((4, 4), [8192], "in_walk")],
+    ids=["16_64_1x4096", "2_8_ragged", "2_8_ragged_norm", "16_16_1x8192_norm", "16_16_ragged_norm_in_walk",
+         "4_4_1x8192_norm_in_walk"])
 def test_candidates_are_bitwise_the_walk(heads, lengths, norm):
     """The register budget with the loads role at 24 (DELTA_HEAVY_REGISTERS) changes no arithmetic, so every
     gradient is bitwise the walk's: on full and partial chunks, pieces with warm-up chunks (one long sequence),
@@ -112,11 +127,12 @@ def test_candidates_are_bitwise_the_walk(heads, lengths, norm):
     setmaxnreg that leaves a role short, shows as changed bits or a failed launch."""
     from flashqla.hopper.backward_fused import DELTA_HEAVY_REGISTERS
 
-    if norm:
-        inputs, do, dht, keywords = unnormalised_inputs_and_rstds(lengths, heads)
-    else:
+    if norm is None:
         inputs, do, dht = make_backward_inputs(lengths, *heads, True)
         keywords = {}
+    else:
+        inputs, do, dht, keywords = unnormalised_inputs_and_rstds(lengths, heads)
+        keywords["norm_in_fused_walk"] = norm == "in_walk"
     walk = run_backward(inputs, do, dht, **keywords)
     candidate = run_backward(inputs, do, dht, walk_registers=DELTA_HEAVY_REGISTERS, **keywords)
     failures = [(name, float(relative_error(a, b))) for name, a, b in zip(GRAD_NAMES, walk, candidate)
