@@ -3,7 +3,7 @@ and side-by-side timings of kernel variants (--compare).
 
     python -m flashqla.bench [--fwd] [--bwd] [--json PATH] [--shapes SUBSTR,...] [--baselines fla,flashqla]
                              [--time-budget SECONDS] [--breakdown] [--model] [--keep true|products|false]
-    python -m flashqla.bench --compare [keep_forward,conv,inverse,forward_walk,backward_fused]
+    python -m flashqla.bench --compare [keep_forward,conv,inverse,forward_walk,backward_fused,piece_plans]
                              [--json PATH]
 
 Each library is called the way its users call it: ours through `flashqla.chunk_gated_delta_rule`
@@ -42,7 +42,9 @@ ratios (timings live here, not in the GPU tests, so a busy machine cannot fail a
 - inverse: the chunks' inverse A~ against FlashQLA's kkt_solve;
 - forward_walk: the forward walk against its candidates (WALK_CANDIDATES), bitwise or it raises;
 - backward_fused: the reverse walk from the kept forward, and where each value head has its own q, k head
-  the candidate with the L2 norm's backward inside it (tools/device_session.sh fused-bench times a form).
+  the candidate with the L2 norm's backward inside it (tools/device_session.sh fused-bench times a form);
+- piece_plans: the forward and the backward with the plan's equal pieces against ragged cuts (a candidate) on
+  the grouped shapes where the plans differ.
 """
 from __future__ import annotations
 
@@ -539,6 +541,58 @@ def compare_backward_fused(rep_ms: int):
             torch.cuda.empty_cache()
 
 
+# Where ragged cuts change the plan (tests/flashqla/test_chunk_plan.py): the grouped layouts whose pieces leave
+# the last wave part-empty, by chunk_plan's simulation (16/48 x 32768: 214 -> 196 chunk steps; 8/24: 107 -> 98)
+PIECE_PLAN_SHAPES = [("16/48 1x32768", (16, 48), [32768]), ("16/48 1x8192", (16, 48), [8192]),
+                     ("8/24 1x32768", (8, 24), [32768]), ("8/24 28672+4096", (8, 24), [28672, 4096])]
+
+
+def compare_piece_plans(rep_ms: int):
+    """The forward (no grad; and keeping what the backward reads) and the backward from its kept tensors, on the
+    anchors' inputs with h0, with the plan's equal pieces and with ragged cuts (chunk_plan._piece_rows'
+    candidate: pieces of S chunks and a shorter last one), on PIECE_PLAN_SHAPES. Raises where o or a gradient
+    with ragged cuts is more than 1e-2 (relative L2) from the equal plan's (the pieces' truncated warm-ups differ)."""
+    from flashqla.hopper.backward import backward
+    from flashqla.hopper.chunk_plan import device_sm_count, plan_forward
+    from flashqla.hopper.forward import forward
+    from flashqla.testing import relative_error
+
+    for name, heads, seq_lens in PIECE_PLAN_SHAPES:
+        x = make_inputs(heads, seq_lens)
+        host = x["cu_seqlens_cpu"].tolist()
+        args = (x["q"], x["k"], x["v"], x["g"], x["beta"], 128 ** -0.5, x["initial_state"])
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        do = torch.randn(x["v"].shape, generator=gen, device="cuda").to(torch.bfloat16)
+        dht = torch.randn(x["initial_state"].shape, generator=gen, device="cuda")
+        times, outputs, pieces = {}, {}, []
+        for label, ragged in (("equal pieces", False), ("ragged cuts", True)):
+            pieces.append(plan_forward(x["cu_seqlens"], heads[1], 128, device_sm_count("cuda"), host_bounds=host,
+                                       ragged_cuts=ragged).pieces.shape[0])
+
+            def run_forward(keep: bool, ragged=ragged):
+                return forward(*args, True, x["cu_seqlens"], cu_seqlens_host=host, keep_for_backward=keep,
+                               ragged_cuts=ragged)
+
+            o, _, kept = run_forward(True)
+            outputs[label] = (o, *backward(*args, x["cu_seqlens"], do, dht, cu_seqlens_host=host, kept=kept,
+                                           ragged_cuts=ragged))
+            times[f"{label}: forward"] = _median_ms(lambda: run_forward(False), rep_ms)
+            times[f"{label}: forward keeping"] = _median_ms(lambda: run_forward(True), rep_ms)
+            times[f"{label}: backward"] = _median_ms(
+                lambda: backward(*args, x["cu_seqlens"], do, dht, cu_seqlens_host=host, kept=kept, ragged_cuts=ragged),
+                rep_ms)
+            del kept
+        for label, a, b in zip(("o", "dq", "dk", "dv", "dg", "dbeta", "dh0"), *outputs.values()):
+            error = float(relative_error(b, a))
+            if not error <= 1e-2:  # also catches NaN
+                raise AssertionError(f"piece_plans {name}: ragged cuts' {label} is {error:.2e} from equal pieces'")
+        del outputs
+        for stage in ("forward", "forward keeping", "backward"):
+            yield (f"{name} {stage} ({pieces[0]} / {pieces[1]} pieces)",
+                   {label: times[f"{label}: {stage}"] for label in ("equal pieces", "ragged cuts")})
+        torch.cuda.empty_cache()
+
+
 # fused_forward's switches of the walk's candidates, timed by --compare forward_walk (none now: the last ones,
 # Ab on warpgroup 2 from P's Gm with Ab and P stored first, became the walk; docs/kernel-notes.md)
 WALK_CANDIDATES: dict[str, dict] = {}
@@ -546,7 +600,7 @@ WALK_CANDIDATES: dict[str, dict] = {}
 
 COMPARISONS = {"keep_forward": compare_keep_forward, "conv": compare_conv, "inverse": compare_inverse,
                "forward_walk": compare_forward_walk,
-               "backward_fused": compare_backward_fused}
+               "backward_fused": compare_backward_fused, "piece_plans": compare_piece_plans}
 
 
 def run_comparisons(names: list[str], rep_ms: int, json_path: str | None) -> None:

@@ -27,7 +27,7 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seq
              kept: KeptForward | None = None, log_decay_threshold: float = DEFAULT_LOG_DECAY_THRESHOLD,
              q_rstd: torch.Tensor | None = None, k_rstd: torch.Tensor | None = None,
              timeline: torch.Tensor | None = None, norm_in_fused_walk: bool = False,
-             walk_registers: tuple[int, int, int, int] | None = None):
+             walk_registers: tuple[int, int, int, int] | None = None, ragged_cuts: bool = False):
     """Gradients of (o, final_state) for inputs as given to `forward.forward`.
 
     q, k: [B, T, Hqk, 128]; v, do: [B, T, Hv, 128]; g, beta: [B, T, Hv]; initial_state, dht:
@@ -51,7 +51,7 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seq
     docs/performance.md, forty-third session; its tests through the op have not run): the L2 norm's backward
     inside the fused walk where every value head has its own q, k head (else its own kernel after the group
     sum). walk_registers (candidate, e.g. backward_fused.DELTA_HEAVY_REGISTERS; None: the walk's): the walk's
-    registers a thread per role; bitwise the same gradients.
+    registers a thread per role; bitwise the same gradients. ragged_cuts (candidate): what the forward was given.
     """
     reason = unsupported_inputs(q, v)
     if reason is not None:
@@ -69,7 +69,8 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seq
     if cu_seqlens_host is None:
         cu_seqlens_host = cu_seqlens.tolist()
     # the forward's plan, from its cache: its pieces are the reverse walk's (one CTA per piece and value head)
-    plan = plan_forward(cu_seqlens, num_v_heads, HEAD_DIM, sm_count, MAX_VALUE_BLOCK, host_bounds=cu_seqlens_host)
+    plan = plan_forward(cu_seqlens, num_v_heads, HEAD_DIM, sm_count, MAX_VALUE_BLOCK, host_bounds=cu_seqlens_host,
+                        ragged_cuts=ragged_cuts)
 
     # The kernels read bf16 operands; float16 inputs are converted once here.
     def flat(x, heads):
@@ -92,7 +93,7 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, cu_seq
         # run the forward again, keeping what this backward reads: every piece in parallel
         _, _, kept, *_ = forward(q, k, v, g, beta, scale, initial_state, False, cu_seqlens,
                                  cu_seqlens_host=cu_seqlens_host, keep_for_backward=True,
-                                 normalize_qk=rstds is not None)
+                                 normalize_qk=rstds is not None, ragged_cuts=ragged_cuts)
     # float16 inputs were kept float16: the kernels here read bf16
     gamma = kept.gamma
     inverse = kept.inverse.to(torch.bfloat16)

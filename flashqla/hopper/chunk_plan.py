@@ -86,12 +86,13 @@ PLANNED_WARMUP_CHUNKS = 4
 
 
 def _split_rows(bounds: list[int], chunks: list[int], piece_chunks: int | None,
-                chunk_size: int) -> list[tuple[int, int, int, int]]:
-    """Every sequence cut into near-equal pieces of at most piece_chunks chunks (None: not cut)."""
+                chunk_size: int, ragged: bool = False) -> list[tuple[int, int, int, int]]:
+    """Every sequence cut into near-equal pieces of at most piece_chunks chunks (None: not cut), or with
+    ragged into pieces of exactly piece_chunks chunks and a shorter last one."""
     rows = []
     for i, n_chunks in enumerate(chunks):
         n_pieces = 1 if piece_chunks is None else max(1, -(-n_chunks // piece_chunks))
-        per_piece = -(-n_chunks // n_pieces)
+        per_piece = piece_chunks if ragged else -(-n_chunks // n_pieces)
         for p in range(n_pieces):
             start = bounds[i] + p * per_piece * chunk_size
             end = min(bounds[i] + (p + 1) * per_piece * chunk_size, bounds[i + 1])
@@ -114,13 +115,16 @@ def _walk_makespan(rows, bounds: list[int], ctas_per_piece: int, sm_count: int, 
 
 
 def _piece_rows(bounds: list[int], chunks: list[int], ctas_per_piece: int, sm_count: int,
-                min_piece_chunks: int, chunk_size: int) -> list[tuple[int, int, int, int]]:
-    """The piece plan with the shortest simulated walk among: no cut, and cuts into pieces of
-    ceil(total / k) chunks (at least min_piece_chunks). More CTAs than SMs can win: with 28672 +
-    4096 tokens and 48 CTAs a piece (8/24 heads), one piece per sequence walks 448 chunks on 96 SMs;
-    eight pieces of at most 64 chunks give 384 CTAs that take turns on the SMs, about 204 chunk
-    steps in all. The simulation assumes every head's warm-up is short: a head that never decays
-    walks from its sequence start (exact) and can be the longest CTA."""
+                min_piece_chunks: int, chunk_size: int, ragged_cuts: bool = False) -> list[tuple[int, int, int, int]]:
+    """The piece plan with the shortest simulated walk among: no cut, cuts into near-equal pieces of
+    ceil(total / k) chunks (at least min_piece_chunks), and with ragged_cuts (a candidate: bench --compare
+    piece_plans) cuts every S chunks with a shorter last piece for S = ceil(total x CTAs a piece / (w x SMs)),
+    w = 1..4: w waves of full pieces, the short ones filling the last. More CTAs than SMs can win: with 28672
+    + 4096 tokens and 48 CTAs a piece (8/24 heads), one piece per sequence walks 448 chunks on 96 SMs; eight
+    pieces of at most 64 chunks give 384 CTAs that take turns on the SMs, about 204 chunk steps in all. At
+    16/48 heads x 32768 tokens six pieces of 94, 94, 94, 94, 94 and 42 chunks walk 196 chunk steps where five
+    equal ones walk 214. The simulation assumes every head's warm-up
+    is short: a head that never decays walks from its sequence start (exact) and can be the longest CTA."""
     unsplit = _split_rows(bounds, chunks, None, chunk_size)
     total = sum(chunks)
     busy = sum(1 for c in chunks if c > 0)  # empty sequences' CTAs exit at once
@@ -128,10 +132,14 @@ def _piece_rows(bounds: list[int], chunks: list[int], ctas_per_piece: int, sm_co
         return unsplit  # empty, or enough CTAs to fill the SMs several times over
     best, best_steps = unsplit, _walk_makespan(unsplit, bounds, ctas_per_piece, sm_count, chunk_size)
     lengths = {max(min_piece_chunks, -(-total // k)) for k in range(1, 4 * sm_count // ctas_per_piece + 2)}
-    for length in sorted(lengths, reverse=True):
+    candidates = [(length, False) for length in sorted(lengths, reverse=True)]
+    if ragged_cuts:
+        ragged = {max(min_piece_chunks, -(-total * ctas_per_piece // (waves * sm_count))) for waves in range(1, 5)}
+        candidates += [(length, True) for length in sorted(ragged, reverse=True)]
+    for length, cut_ragged in candidates:
         if length >= max(chunks):
             continue
-        rows = _split_rows(bounds, chunks, length, chunk_size)
+        rows = _split_rows(bounds, chunks, length, chunk_size, ragged=cut_ragged)
         steps = _walk_makespan(rows, bounds, ctas_per_piece, sm_count, chunk_size)
         if steps < 0.95 * best_steps:  # a plan with more pieces must win clearly (the model is rough)
             best, best_steps = rows, steps
@@ -140,7 +148,7 @@ def _piece_rows(bounds: list[int], chunks: list[int], ctas_per_piece: int, sm_co
 
 def plan_pieces(cu_seqlens: torch.Tensor, num_heads: int, value_blocks: int, sm_count: int = DEFAULT_SM_COUNT,
                 min_piece_chunks: int = 16, chunk_size: int = CHUNK_SIZE,
-                host_bounds: list[int] | None = None) -> torch.Tensor:
+                host_bounds: list[int] | None = None, ragged_cuts: bool = False) -> torch.Tensor:
     """int32 [P, 4] rows (sequence, first token, end token, ends_sequence) on cu_seqlens' device.
     host_bounds: cu_seqlens as a list when the caller holds it (no device->host read).
 
@@ -151,7 +159,7 @@ def plan_pieces(cu_seqlens: torch.Tensor, num_heads: int, value_blocks: int, sm_
     """
     bounds = cu_seqlens.tolist() if host_bounds is None else host_bounds
     chunks = [(bounds[i + 1] - bounds[i] + chunk_size - 1) // chunk_size for i in range(len(bounds) - 1)]
-    rows = _piece_rows(bounds, chunks, num_heads * value_blocks, sm_count, min_piece_chunks, chunk_size)
+    rows = _piece_rows(bounds, chunks, num_heads * value_blocks, sm_count, min_piece_chunks, chunk_size, ragged_cuts)
     return torch.tensor(rows, dtype=torch.int32).to(cu_seqlens.device)
 
 
@@ -175,26 +183,27 @@ FORWARD_PLAN_CACHE_SIZE = 16
 
 def plan_forward(cu_seqlens: torch.Tensor, num_heads: int, head_dim: int = HEAD_DIM, sm_count: int = DEFAULT_SM_COUNT,
                  max_value_block: int = HEAD_DIM, min_piece_chunks: int = 16, chunk_size: int = CHUNK_SIZE,
-                 host_bounds: list[int] | None = None) -> ForwardPlan:
+                 host_bounds: list[int] | None = None, ragged_cuts: bool = False) -> ForwardPlan:
     """Chunks, pieces and V split for one forward, from a small LRU cache keyed by the bounds and
     every other argument (and cu_seqlens' device). One device->host read of cu_seqlens unless the
     caller already holds it (host_bounds, the same values as a list); a cache miss adds one
-    host->device copy (two when a sequence is split)."""
+    host->device copy (two when a sequence is split). ragged_cuts: _piece_rows' candidate."""
     bounds = tuple(cu_seqlens.tolist() if host_bounds is None else host_bounds)
     return _cached_forward_plan(bounds, cu_seqlens.device, num_heads, head_dim, sm_count, max_value_block,
-                                min_piece_chunks, chunk_size)
+                                min_piece_chunks, chunk_size, ragged_cuts)
 
 
 @functools.lru_cache(maxsize=FORWARD_PLAN_CACHE_SIZE)
 def _cached_forward_plan(bounds: tuple[int, ...], device: torch.device, num_heads: int, head_dim: int,
-                         sm_count: int, max_value_block: int, min_piece_chunks: int, chunk_size: int) -> ForwardPlan:
+                         sm_count: int, max_value_block: int, min_piece_chunks: int, chunk_size: int,
+                         ragged_cuts: bool) -> ForwardPlan:
     return build_forward_plan(list(bounds), device, num_heads, head_dim, sm_count, max_value_block,
-                              min_piece_chunks, chunk_size)
+                              min_piece_chunks, chunk_size, ragged_cuts)
 
 
 def build_forward_plan(bounds: list[int], device: torch.device, num_heads: int, head_dim: int = HEAD_DIM,
                        sm_count: int = DEFAULT_SM_COUNT, max_value_block: int = HEAD_DIM, min_piece_chunks: int = 16,
-                       chunk_size: int = CHUNK_SIZE) -> ForwardPlan:
+                       chunk_size: int = CHUNK_SIZE, ragged_cuts: bool = False) -> ForwardPlan:
     """plan_forward without the cache: bounds is cu_seqlens as a list, device where the plan goes."""
     bounds = np.asarray(bounds, dtype=np.int64)
     lengths = bounds[1:] - bounds[:-1]
@@ -207,12 +216,12 @@ def build_forward_plan(bounds: list[int], device: torch.device, num_heads: int, 
     value_block = min(max_value_block, head_dim)
     bounds_list, chunks_list = bounds.tolist(), chunks.tolist()
     rows = _piece_rows(bounds_list, chunks_list, num_heads * (head_dim // value_block), sm_count,
-                       min_piece_chunks, chunk_size)
+                       min_piece_chunks, chunk_size, ragged_cuts)
     if len(rows) * num_heads * (head_dim // value_block) < sm_count // 2:
         # Sequences too short to split further: split V instead.
         value_block = value_block_size(len(rows), num_heads, head_dim, sm_count, max_value_block)
         rows = _piece_rows(bounds_list, chunks_list, num_heads * (head_dim // value_block), sm_count,
-                           min_piece_chunks, chunk_size)
+                           min_piece_chunks, chunk_size, ragged_cuts)
     pieces = np.asarray(rows, dtype=np.int64).reshape(-1, 4)
     max_walk_back = int(((pieces[:, 1] - bounds[pieces[:, 0]]) // chunk_size).max()) if len(rows) else 0
 

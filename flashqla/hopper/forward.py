@@ -31,7 +31,8 @@ class KeptForward(NamedTuple):
 
 def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
             log_decay_threshold: float = DEFAULT_LOG_DECAY_THRESHOLD, cu_seqlens_host: list[int] | None = None,
-            keep_for_backward: bool = False, keep_chunk_states: bool = True, normalize_qk: bool = False):
+            keep_for_backward: bool = False, keep_chunk_states: bool = True, normalize_qk: bool = False,
+            ragged_cuts: bool = False):
     """(o, final_state or None) for q, k [B, T, Hqk, 128], v [B, T, Hv, 128], g, beta [B, T, Hv], with a
     KeptForward next when keep_for_backward and (q_rstd, k_rstd) last when normalize_qk.
 
@@ -45,6 +46,8 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
     normalize_qk: the recurrence of L2-normalised q and k (use_qk_l2norm_in_kernel): the inverse's kernel
     makes the norm's r (float32 [B * T * Hqk] each, returned for the backward) and the kernels apply it to q
     and k on chip; q^ and k^ are never written.
+    ragged_cuts (candidate, not passed by the op): the plan may also cut sequences into pieces of S chunks and a
+    shorter last one (chunk_plan._piece_rows); the backward must be given the same.
     """
     reason = unsupported_inputs(q, v)
     if reason is not None:
@@ -69,7 +72,7 @@ def forward(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqle
         g = g.float()
 
     plan = plan_forward(cu_seqlens, num_v_heads, head_dim, device_sm_count(q.device), MAX_VALUE_BLOCK,
-                        host_bounds=cu_seqlens_host)
+                        host_bounds=cu_seqlens_host, ragged_cuts=ragged_cuts)
     gamma, inverse, *rstds = gamma_and_inverse(
         k_flat, g.reshape(num_tokens, num_v_heads).contiguous(), beta_flat, plan.chunk_bounds,
         normalize_q=q_flat if normalize_qk else None)

@@ -271,3 +271,26 @@ def test_the_reverse_walk_reuses_the_cached_forward_plan():
     assert plan.pieces.tolist() == plan_pieces(cu, 8, 1, 132, host_bounds=bounds).tolist()
     # ... and the same tensor on the next call
     assert plan_forward(cu, 8, 128, 132, MAX_VALUE_BLOCK, host_bounds=bounds).pieces is plan.pieces
+
+
+def test_ragged_cuts_fill_the_last_wave():
+    """16/48 heads x 32768 tokens (512 chunks, 48 CTAs a piece): five equal pieces are 240 CTAs, two waves of 103
+    chunks; with ragged_cuts (a candidate) pieces of 94 chunks and a last one of 42 are 288 CTAs whose short ones
+    fill the second wave. Without it the plan is the equal one."""
+    from flashqla.hopper.chunk_plan import _walk_makespan
+
+    bounds = [0, 32768]
+    equal = [tuple(r) for r in build_forward_plan(bounds, torch.device("cpu"), 48, 128, 132).pieces.tolist()]
+    ragged = [tuple(r) for r in build_forward_plan(bounds, torch.device("cpu"), 48, 128, 132,
+                                                   ragged_cuts=True).pieces.tolist()]
+    assert [(end - start) // 64 for _, start, end, _ in equal] == [103] * 4 + [100]
+    assert [(end - start) // 64 for _, start, end, _ in ragged] == [94] * 5 + [42]
+    assert [r[3] for r in ragged] == [0] * 5 + [1]
+    assert all(a[2] == b[1] for a, b in zip(ragged, ragged[1:])) and ragged[-1][2] == 32768
+    assert _walk_makespan(ragged, bounds, 48, 132, 64) < 0.95 * _walk_makespan(equal, bounds, 48, 132, 64)
+    # keyed in the cache: each flag gets its own plan
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    assert plan_forward(cu, 48, ragged_cuts=True).pieces.shape[0] == 6 and plan_forward(cu, 48).pieces.shape[0] == 5
+    # the model's layouts (one CTA a piece per SM already) keep their equal pieces
+    model = build_forward_plan([0, 131072], torch.device("cpu"), 16, 128, 132, ragged_cuts=True).pieces.tolist()
+    assert {(end - start) // 64 for _, start, end, _ in model} == {256}

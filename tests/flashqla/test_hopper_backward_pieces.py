@@ -4,13 +4,15 @@ whole sequence.
 
 With the exact threshold (-inf) the pieces give bitwise the whole-sequence walk's gradients;
 with the default threshold every gradient stays within the float64 tolerance on sequences the planner
-cuts (strong decay, heads that never decay, h0 on and off, several sequences), deterministic.
+cuts (strong decay, heads that never decay, h0 on and off, several sequences), deterministic; with the
+plan's candidate ragged cuts too (forward and backward against float64).
 """
 import pytest
 import torch
 
-from hopper_grid import (GRAD_NAMES, TOLERANCE, assert_close_to_reference, float64_gradients, make_backward_inputs,
-                         on_hopper, poison_allocator)
+from flashqla.testing import relative_error
+from hopper_grid import (GRAD_NAMES, TOLERANCE, assert_close_to_reference, float64_gradients, float64_reference,
+                         make_backward_inputs, on_hopper, poison_allocator)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not on_hopper, reason="needs an SM90 (Hopper) GPU")]
 SCALE = 128 ** -0.5
@@ -32,13 +34,14 @@ def backward_with(inputs, do, dht, exact: bool = False, kept=None):
                     log_decay_threshold=float("-inf") if exact else DEFAULT_LOG_DECAY_THRESHOLD)
 
 
-def _plan(inputs):
+def _plan(inputs, ragged_cuts: bool = False):
     """The forward's plan for these inputs, whose pieces the reverse walk walks (backward.py)."""
     from flashqla.hopper.chunk_plan import device_sm_count, plan_forward
     from flashqla.hopper.fused_forward import MAX_VALUE_BLOCK
 
     cu = inputs["cu_seqlens"]
-    return plan_forward(cu, inputs["g"].shape[2], 128, device_sm_count(cu.device), MAX_VALUE_BLOCK)
+    return plan_forward(cu, inputs["g"].shape[2], 128, device_sm_count(cu.device), MAX_VALUE_BLOCK,
+                        ragged_cuts=ragged_cuts)
 
 
 @pytest.mark.parametrize("case", list(CUT_CASES))
@@ -84,8 +87,6 @@ def test_backward_in_pieces_matches_float64(case, with_initial_state):
 
 
 def test_backward_in_pieces_stays_close_to_the_whole_walk_and_is_deterministic():
-    from flashqla.testing import relative_error
-
     inputs, do, dht = make_backward_inputs([28672, 4096], 2, 8, True)
     first = backward_with(inputs, do, dht)
     second = backward_with(inputs, do, dht)
@@ -109,3 +110,26 @@ def test_kept_forward_with_pieces_matches_float64(case):
     grads = backward_with(inputs, do, dht, kept=kept)
     assert all(torch.isfinite(grad).all() for grad in grads)
     assert_close_to_reference(grads, float64_gradients(inputs, do, dht))
+
+
+@pytest.mark.parametrize("lengths", [[32768], [28672, 4096]], ids=["32768", "28672+4096"])
+def test_ragged_cuts_match_float64(lengths):
+    """The plan's candidate ragged cuts (pieces of S chunks and a shorter last one, chunk_plan._piece_rows) at 8/24,
+    where they change the plan: the forward keeping its tensors (o, final state) and the backward from them
+    (every gradient, per (sequence, head) too) against float64, with heads that never decay and strong decay."""
+    from flashqla.hopper.backward import backward
+    from flashqla.hopper.forward import forward
+
+    inputs, do, dht = make_backward_inputs(lengths, 8, 24, True, strong_decay=True)
+    equal, ragged = _plan(inputs).pieces.tolist(), _plan(inputs, ragged_cuts=True).pieces.tolist()
+    assert ragged != equal, "ragged cuts did not change this case's plan"
+    args = [inputs[n] for n in ("q", "k", "v", "g", "beta")] + [SCALE, inputs["initial_state"]]
+    poison_allocator()
+    o, final_state, kept = forward(*args, True, inputs["cu_seqlens"], keep_for_backward=True, ragged_cuts=True)
+    ref_o, ref_state = float64_reference(inputs)
+    errors = {"o": relative_error(o, ref_o), "final_state": relative_error(final_state, ref_state)}
+    assert all(error <= TOLERANCE for error in errors.values()), errors
+    poison_allocator()
+    grads = backward(*args, inputs["cu_seqlens"], do, dht, kept=kept, ragged_cuts=True)
+    assert all(torch.isfinite(grad).all() for grad in grads)
+    assert_close_to_reference(grads, float64_gradients(inputs, do, dht), lengths)
