@@ -408,7 +408,8 @@ class MetricsLog:
 
     def log_run_summary(self, records: list[dict], warmup_steps: int) -> None:
         """Medians over this process's steps after the first `warmup_steps` (compilation, allocator
-        warmup) and not profiled, peak memory over all of them: one line in metrics.jsonl and on the console."""
+        warmup) and not profiled, peak memory over all of them (and over each backend's steps when they
+        alternate): one line in metrics.jsonl and on the console."""
         timed = [r for r in records[warmup_steps:] if "profile/wall_s" not in r] or records
         if not timed:
             return
@@ -422,6 +423,12 @@ class MetricsLog:
         }
         if "peak_memory_reserved_gib" in records[0]:
             summary["peak_memory_reserved_gib"] = max(r["peak_memory_reserved_gib"] for r in records)
+        # alternating backends: each one's peak over its own steps (CUDA's peak is reset every step)
+        backends = list(dict.fromkeys(r["gdn_backend"] for r in records if "gdn_backend" in r))
+        if len(backends) > 1:
+            for backend in backends:
+                summary[f"peak_memory_gib/{backend}"] = max(r["peak_memory_gib"] for r in records
+                                                            if r.get("gdn_backend") == backend)
         for key in KERNEL_TIME_KEYS + ("time/rest_s",):
             if key in timed[0]:
                 summary["median_" + key.removeprefix("time/")] = statistics.median(r[key] for r in timed)

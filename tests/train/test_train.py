@@ -250,6 +250,9 @@ def test_kernel_timing_backend_comparison_and_step_profile(workdir):
     run_summary = extra[1]["run_summary"]
     assert run_summary["timed_steps"] == 3 and run_summary["median_gdn_bwd_s"] > 0  # all but the profiled step
     assert run_summary["peak_memory_gib"] > 0, f"run_summary peak_memory_gib = {run_summary['peak_memory_gib']}, expected > 0"
+    for backend in ("torch", "auto"):  # each backend's peak over its own steps
+        assert run_summary[f"peak_memory_gib/{backend}"] == max(r["peak_memory_gib"] for r in records
+                                                                if r["gdn_backend"] == backend)
     assert summary["columns"] == ["quantity", "torch_s", "auto_s", "auto_over_torch"]
     assert {row[0] for row in summary["rows"]} >= {"step_time", "gdn_fwd", "attention_bwd"}
     assert list(run_dir.glob("wandb/offline-run-*/files/media/table/compare/summary_*.table.json"))
