@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build .devkit/ from nothing on the CPU machine: what a new checkout needs before its first device call.
-#   tools/build_device_kit.sh            # 17 min on 2 cores; prints the carry's size at the end
+#   tools/build_device_kit.sh            # 30-56 min on 2 cores (FlashQLA's half is the slow one); prints the carry's size
 #   KERNELS_ONLY=1 tools/build_device_kit.sh   # our kernels alone (no training stack, no FLA or FlashQLA cache):
 #                                        # what the kernel comparisons need, ~20 min + ~2.3 min a form, 49 MiB of carry
 # Candidate forms of the fused reverse walk in .devkit/alt/backward_fused_*.py (tools/device_session.sh's
