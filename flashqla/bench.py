@@ -475,21 +475,26 @@ def compare_forward_walk(rep_ms: int):
         yield f"{name} (V block {plan.value_block})", times
 
 
+def backward_operands(heads: tuple[int, int], seq_lens: list[int], like_the_model: bool = False):
+    """(inputs, cu_seqlens as a list, forward.forward's leading arguments, dO, dht) on the bench's inputs (needs
+    CUDA): random dO, and dht where the inputs have a final state."""
+    x = make_inputs(heads, seq_lens, like_the_model=like_the_model)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], 128 ** -0.5, x["initial_state"])
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    do = torch.randn(x["v"].shape, generator=gen, device="cuda").to(x["v"].dtype)  # o's shape and dtype
+    dht = None if like_the_model else torch.randn(x["initial_state"].shape, generator=gen, device="cuda")
+    return x, x["cu_seqlens_cpu"].tolist(), args, do, dht
+
+
 def kept_backward_on(heads: tuple[int, int], seq_lens: list[int], like_the_model: bool):
-    """backward.backward on the bench's inputs from the forward's kept tensors (needs CUDA), with random dO (and
-    dht where the inputs have a final state): returns run(timeline=None, **switches), the gradients of one call
-    (switches: backward's keywords, e.g. norm_in_fused_walk)."""
+    """backward.backward on backward_operands from the forward's kept tensors: returns run(timeline=None,
+    **switches), the gradients of one call (switches: backward's keywords, e.g. norm_in_fused_walk)."""
     from flashqla.hopper.backward import backward
     from flashqla.hopper.forward import forward
 
-    x = make_inputs(heads, seq_lens, like_the_model=like_the_model)
-    host = x["cu_seqlens_cpu"].tolist()
-    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], 128 ** -0.5, x["initial_state"])
-    o, _, kept, *rstds = forward(*args, x["output_final_state"], x["cu_seqlens"], cu_seqlens_host=host,
+    x, host, args, do, dht = backward_operands(heads, seq_lens, like_the_model)
+    _, _, kept, *rstds = forward(*args, x["output_final_state"], x["cu_seqlens"], cu_seqlens_host=host,
                                  keep_for_backward=True, normalize_qk=like_the_model)
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    do = torch.randn(o.shape, generator=gen, device="cuda").to(o.dtype)
-    dht = None if like_the_model else torch.randn(x["initial_state"].shape, generator=gen, device="cuda")
     norm = dict(zip(("q_rstd", "k_rstd"), rstds[0])) if like_the_model else {}
 
     def run(timeline: torch.Tensor | None = None, **switches):
@@ -560,12 +565,7 @@ def compare_piece_plans(rep_ms: int):
     from flashqla.testing import relative_error
 
     for name, heads, seq_lens in PIECE_PLAN_SHAPES:
-        x = make_inputs(heads, seq_lens)
-        host = x["cu_seqlens_cpu"].tolist()
-        args = (x["q"], x["k"], x["v"], x["g"], x["beta"], 128 ** -0.5, x["initial_state"])
-        gen = torch.Generator(device="cuda").manual_seed(1)
-        do = torch.randn(x["v"].shape, generator=gen, device="cuda").to(torch.bfloat16)
-        dht = torch.randn(x["initial_state"].shape, generator=gen, device="cuda")
+        x, host, args, do, dht = backward_operands(heads, seq_lens)
         times, outputs, pieces = {}, {}, []
         for label, ragged in (("equal pieces", False), ("ragged cuts", True)):
             pieces.append(plan_forward(x["cu_seqlens"], heads[1], 128, device_sm_count("cuda"), host_bounds=host,

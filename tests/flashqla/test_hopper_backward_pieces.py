@@ -23,15 +23,17 @@ CUT_CASES = {"2_8_32768": ((2, 8), [32768]), "2_8_28672+4096": ((2, 8), [28672, 
              "16_16_65536": ((16, 16), [65536])}
 
 
-def backward_with(inputs, do, dht, exact: bool = False, kept=None):
-    """exact: pieces walk from their sequence end (threshold -inf), bitwise the whole-sequence walk."""
+def backward_with(inputs, do, dht, exact: bool = False, kept=None, ragged_cuts: bool = False):
+    """exact: pieces walk from their sequence end (threshold -inf), bitwise the whole-sequence walk.
+    ragged_cuts: the plan's candidate (what the forward of `kept` was given)."""
     from flashqla.hopper.backward import backward
     from flashqla.hopper.common import DEFAULT_LOG_DECAY_THRESHOLD
 
     poison_allocator()  # NaN in every free block, so unwritten outputs show
     return backward(inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"], SCALE,
                     inputs["initial_state"], inputs["cu_seqlens"], do, dht, kept=kept,
-                    log_decay_threshold=float("-inf") if exact else DEFAULT_LOG_DECAY_THRESHOLD)
+                    log_decay_threshold=float("-inf") if exact else DEFAULT_LOG_DECAY_THRESHOLD,
+                    ragged_cuts=ragged_cuts)
 
 
 def _plan(inputs, ragged_cuts: bool = False):
@@ -117,19 +119,18 @@ def test_ragged_cuts_match_float64(lengths):
     """The plan's candidate ragged cuts (pieces of S chunks and a shorter last one, chunk_plan._piece_rows) at 8/24,
     where they change the plan: the forward keeping its tensors (o, final state) and the backward from them
     (every gradient, per (sequence, head) too) against float64, with heads that never decay and strong decay."""
-    from flashqla.hopper.backward import backward
     from flashqla.hopper.forward import forward
 
     inputs, do, dht = make_backward_inputs(lengths, 8, 24, True, strong_decay=True)
     equal, ragged = _plan(inputs).pieces.tolist(), _plan(inputs, ragged_cuts=True).pieces.tolist()
     assert ragged != equal, "ragged cuts did not change this case's plan"
-    args = [inputs[n] for n in ("q", "k", "v", "g", "beta")] + [SCALE, inputs["initial_state"]]
+    args = [inputs[n] for n in ("q", "k", "v", "g", "beta")]
     poison_allocator()
-    o, final_state, kept = forward(*args, True, inputs["cu_seqlens"], keep_for_backward=True, ragged_cuts=True)
+    o, final_state, kept = forward(*args, SCALE, inputs["initial_state"], True, inputs["cu_seqlens"],
+                                   keep_for_backward=True, ragged_cuts=True)
     ref_o, ref_state = float64_reference(inputs)
     errors = {"o": relative_error(o, ref_o), "final_state": relative_error(final_state, ref_state)}
     assert all(error <= TOLERANCE for error in errors.values()), errors
-    poison_allocator()
-    grads = backward(*args, inputs["cu_seqlens"], do, dht, kept=kept, ragged_cuts=True)
+    grads = backward_with(inputs, do, dht, kept=kept, ragged_cuts=True)
     assert all(torch.isfinite(grad).all() for grad in grads)
     assert_close_to_reference(grads, float64_gradients(inputs, do, dht), lengths)
